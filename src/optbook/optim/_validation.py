@@ -1,0 +1,109 @@
+"""Argument checks shared by every optimizer in :mod:`optbook.optim`.
+
+Each check raises before anything is changed, with a message that names the argument and what was
+expected. Optimizers call the hyperparameter checks in ``__init__`` *and* again at the start of
+``step()`` for every group (a scheduler or a user may have edited ``param_groups`` since), and the
+tensor checks for every parameter before the first tensor is touched, so a failed ``step()`` leaves
+parameters and optimizer state exactly as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def _is_real_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, (int, float))
+
+
+def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """Return ``float(value)`` after checking it is a finite real number in the given interval.
+
+    Raises:
+        TypeError: ``value`` is not a real number (bool, complex, str, multi-element tensor).
+        ValueError: ``value`` is NaN, infinite, or outside the interval; the message names ``name``.
+    """
+    if not _is_real_number(value):
+        raise TypeError(f"Invalid {name}: expected a real number, got {value!r} ({type(value).__name__})")
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(f"Invalid {name}: expected a finite number, got {x}")
+    if low is not None and (x <= low if low_open else x < low):
+        raise ValueError(f"Invalid {name}: expected {name} {'>' if low_open else '>='} {low}, got {x}")
+    if high is not None and (x >= high if high_open else x > high):
+        raise ValueError(f"Invalid {name}: expected {name} {'<' if high_open else '<='} {high}, got {x}")
+    return x
+
+
+def check_lr(lr) -> float:
+    """``lr`` must be a finite number >= 0."""
+    return check_number("lr", lr, low=0.0)
+
+
+def check_eps(eps) -> float:
+    """``eps`` must be a finite number > 0."""
+    return check_number("eps", eps, low=0.0, low_open=True)
+
+
+def check_weight_decay(weight_decay) -> float:
+    """``weight_decay`` must be a finite number >= 0."""
+    return check_number("weight_decay", weight_decay, low=0.0)
+
+
+def check_momentum(momentum, name: str = "momentum") -> float:
+    """``momentum`` must lie in [0, 1)."""
+    return check_number(name, momentum, low=0.0, high=1.0, high_open=True)
+
+
+def check_betas(betas) -> tuple[float, float]:
+    """``betas`` must be a pair ``(beta1, beta2)``, each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
+    return (check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True),
+            check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True))
+
+
+def check_params(params: Iterable[torch.Tensor]) -> None:
+    """Every parameter must be a real floating-point tensor (not integer, bool or complex).
+
+    Raises:
+        TypeError: naming the offending parameter's index, dtype and shape.
+    """
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"Invalid params: element {i} is a {type(p).__name__}, expected a torch.Tensor")
+        if p.is_complex() or not p.is_floating_point():
+            raise TypeError(
+                f"Invalid params: parameter {i} of shape {tuple(p.shape)} has dtype {p.dtype}; "
+                "expected a real floating-point dtype (float16, bfloat16, float32 or float64)"
+            )
+
+
+def check_grad(p: torch.Tensor, where: str) -> None:
+    """A gradient must be dense, real, and match its parameter's shape, dtype and device.
+
+    Raises:
+        TypeError: sparse or complex gradient, or a dtype that differs from the parameter's.
+        ValueError: a shape or device that differs from the parameter's.
+    """
+    g = p.grad
+    if g.is_sparse or g.layout != torch.strided:
+        raise TypeError(
+            f"Invalid grad of {where} (shape {tuple(p.shape)}): sparse gradients are not "
+            "supported; use dense gradients (e.g. nn.Embedding(sparse=False))"
+        )
+    if g.dtype != p.dtype:
+        raise TypeError(f"Invalid grad of {where}: dtype {g.dtype} differs from the parameter's {p.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"Invalid grad of {where}: shape {tuple(g.shape)} differs from the "
+                         f"parameter's {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"Invalid grad of {where}: device {g.device} differs from the parameter's {p.device}")

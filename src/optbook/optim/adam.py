@@ -1,0 +1,163 @@
+"""Adam and AdamW. Explained in chapter 2 (Adam) and chapter 3 (AdamW).
+
+Source: Kingma & Ba (2015), arXiv:1412.6980, Algorithm 1 (Adam); Loshchilov & Hutter (2019),
+arXiv:1711.05101, Algorithm 2 (AdamW); seed 000 §2-3, seed 003 "AdamW".
+
+For one parameter ``p`` with gradient ``g`` at step ``t = 1, 2, ...`` (elementwise; every tensor has
+``p``'s shape and dtype)::
+
+    g  <- g + weight_decay * p                  (Adam: coupled L2)
+    p  <- p * (1 - lr * weight_decay)           (AdamW: decoupled decay, multiplied by the current lr)
+    m  <- lerp(m, g, 1 - beta1)
+    v  <- beta2 * v + (1 - beta2) * g * g
+    p  <- p - lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
+
+``eps`` sits *outside* the square root, as in Algorithm 1. The last line is evaluated as
+``p - (lr * c2 / c1) * m / (sqrt(v) + eps * c2)`` with ``c1 = 1 - beta1**t`` and
+``c2 = sqrt(1 - beta2**t)``: the same number in exact arithmetic, one pass over memory fewer.
+The step count ``t`` is a Python ``int`` per parameter (exact at any length; a low-precision
+float count would stall at 256 in bf16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._validation import check_betas, check_eps, check_lr, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["Adam", "AdamW", "adam"]
+
+
+@torch.no_grad()
+def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+         exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, beta1: float, beta2: float,
+         eps: float, weight_decay: float, decoupled_weight_decay: bool, foreach: bool = False) -> None:
+    """Apply one Adam (``decoupled_weight_decay=False``) or AdamW step in place.
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs: lists of equal-shape tensors, one entry per parameter;
+            ``exp_avgs`` (m) and ``exp_avg_sqs`` (v) are updated in place.
+        steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
+        lr, beta1, beta2, eps, weight_decay: hyperparameters (not re-validated here).
+        decoupled_weight_decay: AdamW's ``p *= 1 - lr * weight_decay`` instead of L2 in the gradient.
+        foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The CPU path walks the tensors one
+            at a time and reuses one scratch buffer for ``sqrt(v)``, which avoids a fresh allocation
+            (and its page faults) per parameter.
+    """
+    if not params:
+        return
+    c1 = [1 - beta1 ** t for t in steps]
+    c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
+    if weight_decay and decoupled_weight_decay:
+        if foreach:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            for p in params:
+                p.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+
+    if foreach:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denoms, [eps * c for c in c2])
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * b / a for a, b in zip(c1, c2)])
+        return
+
+    sizes: dict = {}
+    for v in exp_avg_sqs:
+        sizes[v.device, v.dtype] = max(sizes.get((v.device, v.dtype), 0), v.numel())
+    scratch = {key: torch.empty(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
+    for p, g, m, v, a, b in zip(params, grads, exp_avgs, exp_avg_sqs, c1, c2):
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        out = scratch[v.device, v.dtype][: v.numel()].view_as(v) if v.is_contiguous() else None
+        denom = torch.sqrt(v, out=out)
+        denom.add_(eps * b)
+        p.addcdiv_(m, denom, value=-lr * b / a)
+
+
+class _AdamBase(BookOptimizer):
+    _decoupled: bool
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 foreach: bool | None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+
+    def _step_group(self, group: dict) -> None:
+        params, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            params.append(p)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = bool(params) and all(p.is_cuda for p in params)
+        beta1, beta2 = group["betas"]
+        adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
+             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+             decoupled_weight_decay=self._decoupled, foreach=foreach)
+
+
+_ARGS_DOC = """
+    Args:
+        params: iterable of real floating-point tensors or of param-group dicts.
+        lr: learning rate ``alpha`` (parameter units per step at unit normalised gradient), ``>= 0``.
+        betas: EMA coefficients ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)`` (outside the root), ``> 0``.
+        weight_decay: ``lambda >= 0``; {wd}
+        foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
+            picks it when every parameter of the group is on a CUDA device.
+
+    State per parameter: ``step`` (``int``), ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape
+    and dtype). A parameter whose ``grad`` is ``None`` is skipped entirely (no decay, no count).
+
+    Raises:
+        ValueError: ``lr < 0``, a beta outside ``[0, 1)``, ``eps <= 0``, ``weight_decay < 0``,
+            non-finite values; a gradient of another shape or device.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+"""
+
+
+class Adam(_AdamBase):
+    __doc__ = ("Adam (Kingma & Ba 2015, Algorithm 1) with optional coupled L2 weight decay.\n"
+               + _ARGS_DOC.format(wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
+                                     "rescaled by the adaptive denominator (chapter 3, Prop. 2)."))
+    _decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, foreach: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, foreach)
+
+
+class AdamW(_AdamBase):
+    __doc__ = ("AdamW (Loshchilov & Hutter 2019, Algorithm 2) in PyTorch's parametrisation.\n"
+               + _ARGS_DOC.format(wd="decoupled: ``p *= 1 - lr * lambda`` before the Adam update, "
+                                     "so the decay follows the (scheduled) lr; equals "
+                                     "``torch.optim.AdamW``'s ``weight_decay``."))
+    _decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, foreach: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, foreach)

@@ -1,0 +1,70 @@
+"""The small base class every optimizer in :mod:`optbook.optim` shares.
+
+It adds exactly two things to :class:`torch.optim.Optimizer`:
+
+* every parameter group is validated when it is added (``__init__`` and ``add_param_group``), and
+  again, with every gradient, at the start of each ``step()`` -- *before* any tensor is written, so
+  a ``step()`` that raises leaves parameters and state untouched;
+* ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do.
+
+Subclasses implement ``_check_hyperparameters(group)`` and ``_step_group(group)``.
+Explained in chapter 1 (SGD and momentum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_grad, check_params
+
+
+class BookOptimizer(torch.optim.Optimizer):
+    """Base class: validation before mutation, closures, and PyTorch's param-group machinery."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch.optim rejects sets with its own message
+            params = list(params)
+            check_params(params)
+        self._check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group({**param_group, "params": params})
+
+    def _check_hyperparameters(self, group: dict) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _step_group(self, group: dict) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _validate(self) -> None:
+        """Check every group's hyperparameters and every gradient; raise before any write."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_hyperparameters(group)
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    check_grad(p, f"param_groups[{gi}]['params'][{pi}]")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss; it runs
+                with gradients enabled.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError, TypeError: a hyperparameter or gradient is invalid (see the class
+                docstring); nothing has been modified when this happens.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss

@@ -1,0 +1,114 @@
+"""SGD with EMA (lerp) momentum and Nesterov. Explained in chapter 1 (SGD and momentum).
+
+Source: seed 000 §1; Polyak (1964) for heavy ball, Nesterov (1983) and Sutskever et al. (2013,
+eq. 3-4) for the look-ahead form.
+
+The update for one parameter ``p`` with gradient ``g`` (all tensors of ``p``'s shape and dtype)::
+
+    g       <- g + weight_decay * p                       (coupled L2, as torch.optim.SGD)
+    m       <- lerp(m, g, 1 - momentum)                    (m starts at zero)
+    d       <- lerp(g, m, momentum)  if nesterov  else  m
+    p       <- p - lr * d
+
+Relation to ``torch.optim.SGD`` (heavy ball ``b <- momentum * b + g``, first ``b = g``): since
+``m_t = (1 - momentum) * b_t`` exactly, ``SGD(lr=a, momentum=mu)`` here equals
+``torch.optim.SGD(lr=a * (1 - mu), momentum=mu, dampening=0)``, with or without Nesterov.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_lr, check_momentum, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["SGD", "sgd"]
+
+
+@torch.no_grad()
+def sgd(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor | None],
+        *, lr: float, momentum: float, nesterov: bool, weight_decay: float, foreach: bool = False) -> None:
+    """Apply one SGD step in place (the pure function behind :class:`SGD`).
+
+    Args:
+        params, grads: lists of tensors of equal shapes and dtype, one per parameter.
+        momentum_buffers: one EMA buffer per parameter (same shape), updated in place; ignored when
+            ``momentum == 0``.
+        lr, momentum, nesterov, weight_decay: as in :class:`SGD`; not re-validated here.
+        foreach: use the ``torch._foreach_*`` kernels (one launch per operation for the whole list;
+            pays on GPUs, not on CPUs).
+    """
+    if not params:
+        return
+    if foreach:
+        if weight_decay:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        if momentum:
+            torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
+            if nesterov:
+                directions = torch._foreach_lerp(grads, momentum_buffers, momentum)
+            else:
+                directions = momentum_buffers
+        else:
+            directions = grads
+        torch._foreach_add_(params, directions, alpha=-lr)
+        return
+    for p, g, m in zip(params, grads, momentum_buffers):
+        if weight_decay:
+            g = g.add(p, alpha=weight_decay)
+        if momentum:
+            m.lerp_(g, 1 - momentum)
+            d = g.lerp(m, momentum) if nesterov else m
+        else:
+            d = g
+        p.add_(d, alpha=-lr)
+
+
+class SGD(BookOptimizer):
+    """Stochastic gradient descent with EMA momentum (lerp form) and optional Nesterov look-ahead.
+
+    Args:
+        params: iterable of real floating-point tensors or of param-group dicts.
+        lr: learning rate (units of the parameter per unit of the EMA'd gradient), ``>= 0``.
+        momentum: EMA coefficient ``mu`` in ``[0, 1)``; 0 gives plain SGD and allocates no state.
+        nesterov: use ``lerp(g, m, mu)`` as the direction instead of ``m``.
+        weight_decay: coupled L2 coefficient ``>= 0`` added to the gradient.
+        foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
+            picks it when every parameter of the group is on a CUDA device.
+
+    State per parameter: ``momentum_buffer`` (same shape and dtype as the parameter), only when
+    ``momentum > 0``.
+
+    Raises:
+        ValueError: ``lr < 0``, ``momentum`` outside ``[0, 1)``, ``weight_decay < 0``, non-finite
+            values; a gradient of another shape or device.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0, *, foreach: bool | None = None):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        foreach=foreach)
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_momentum(group["momentum"])
+        check_weight_decay(group["weight_decay"])
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum = group["momentum"]
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if momentum and "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buffers.append(state.get("momentum_buffer"))
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = bool(params) and all(p.is_cuda for p in params)
+        sgd(params, [p.grad for p in params], buffers, lr=group["lr"], momentum=momentum,
+            nesterov=group["nesterov"], weight_decay=group["weight_decay"], foreach=foreach)

@@ -1,0 +1,101 @@
+"""One small training loop that records what the chapters plot. Used from chapter 2 on.
+
+Mini-batches come from a seeded permutation per epoch (sampling without replacement), so a run is
+repeatable on one machine for a fixed seed, device and thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TrainLog", "train", "evaluate"]
+
+
+@dataclass
+class TrainLog:
+    """What :func:`train` recorded.
+
+    ``losses``: training loss of each step's mini-batch (before the step), length ``steps``.
+    ``update_rms``: when requested, a float64 tensor ``(steps, n_params)`` with, per step and per
+    trainable parameter, ``RMS(p_after - p_before) / lr`` -- the size of the update direction in
+    units of the learning rate (it includes decoupled weight decay, if any).
+    ``param_names``: the names of those parameters, in column order.
+    """
+
+    losses: list[float] = field(default_factory=list)
+    update_rms: torch.Tensor | None = None
+    param_names: list[str] = field(default_factory=list)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, X: torch.Tensor, y: torch.Tensor, *,
+          steps: int, batch_size: int | None = None, generator: torch.Generator | None = None,
+          loss_fn: Callable = F.cross_entropy, scheduler=None, record_update_rms: bool = False) -> TrainLog:
+    """Train ``model`` for ``steps`` optimizer steps on ``(X, y)``.
+
+    Args:
+        model: maps ``X[idx]`` to predictions accepted by ``loss_fn``.
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+        X, y: inputs ``(n, ...)`` and targets ``(n, ...)`` on the model's device.
+        steps: number of steps, ``>= 1``.
+        batch_size: mini-batch size; ``None`` means full batch.
+        generator: CPU ``torch.Generator`` for the permutations (default: a fresh one seeded 0).
+        loss_fn: ``loss_fn(prediction, target) -> scalar``.
+        scheduler: optional ``torch.optim.lr_scheduler`` stepped after each optimizer step.
+        record_update_rms: record :attr:`TrainLog.update_rms` (needs a ``lr`` in each group).
+
+    Raises:
+        ValueError: ``steps < 1``, ``batch_size < 1``, or ``X`` and ``y`` of different lengths.
+    """
+    if steps < 1:
+        raise ValueError(f"Invalid steps: expected >= 1, got {steps!r}")
+    n = X.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"Invalid y: expected {n} targets to match X, got {y.shape[0]}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"Invalid batch_size: expected >= 1 or None, got {batch_size!r}")
+    batch = n if batch_size is None else min(batch_size, n)
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    log = TrainLog(param_names=names if record_update_rms else [])
+    rms_rows = []
+    order, cursor = torch.randperm(n, generator=generator), 0
+    model.train()
+    for _ in range(steps):
+        if cursor + batch > n:
+            order, cursor = torch.randperm(n, generator=generator), 0
+        idx = order[cursor: cursor + batch].to(X.device)
+        cursor += batch
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(X[idx]), y[idx])
+        loss.backward()
+        before = [p.detach().clone() for p in params] if record_update_rms else None
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        log.losses.append(loss.item())
+        if record_update_rms:
+            rms_rows.append([float((p.detach() - b).double().pow(2).mean().sqrt()) / lr_of[id(p)]["lr"]
+                             if lr_of[id(p)]["lr"] > 0 else float("nan") for p, b in zip(params, before)])
+    if record_update_rms:
+        log.update_rms = torch.tensor(rms_rows, dtype=torch.float64)
+    return log
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: Callable = F.cross_entropy
+             ) -> tuple[float, float]:
+    """Return ``(loss, accuracy)`` of ``model`` on ``(X, y)``; accuracy for class-index targets."""
+    was_training = model.training
+    model.eval()
+    out = model(X)
+    loss = float(loss_fn(out, y))
+    acc = float((out.argmax(-1) == y).double().mean()) if out.ndim == 2 else float("nan")
+    model.train(was_training)
+    return loss, acc

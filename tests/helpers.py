@@ -1,0 +1,40 @@
+"""Shared test fixtures: a reproducible multi-group problem to drive optimizers side by side."""
+
+import copy
+
+import torch
+
+
+def make_params(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(5, 3), (3,), (4, 4, 2), (1,)]
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def grads_for(step, params, seed=1):
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+def groups(params, **second):
+    """Two groups with different hyperparameters: [0, 1] and [2, 3]."""
+    return [{"params": params[:2]}, {"params": params[2:], **second}]
+
+
+def run(opt, params, steps, start=0, lr_schedule=None, seed=1):
+    """Drive ``opt`` with the deterministic gradients of steps ``start .. start+steps-1``."""
+    for t in range(start, start + steps):
+        if lr_schedule is not None:
+            for gi, group in enumerate(opt.param_groups):
+                group["lr"] = lr_schedule(t, gi)
+        for p, g in zip(params, grads_for(t, params, seed)):
+            p.grad = g.clone()
+        opt.step()
+
+
+def clone_params(params):
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+def deepcopy_state(opt):
+    return copy.deepcopy(opt.state_dict())

@@ -1,0 +1,64 @@
+"""The shared helpers: digits split, generated quadratics, models and the training loop."""
+
+import pytest
+import torch
+
+from optbook.data import ill_conditioned_quadratic, load_digits
+from optbook.models import MLP, LogisticRegression
+from optbook.optim import AdamW
+from optbook.runtime import seed_everything
+from optbook.training import evaluate, train
+
+
+def test_digits_split_is_deterministic_stratified_and_standardised():
+    a, b = load_digits(), load_digits()
+    assert a.X_train.shape == (1347, 64) and a.X_test.shape == (450, 64)
+    assert torch.equal(a.X_train, b.X_train) and torch.equal(a.y_test, b.y_test)
+    assert torch.bincount(a.y_test).min() >= 43  # stratified: 25% of each class (the smallest has 174)
+    assert a.X_train.mean(0).abs().max() < 1e-5
+    std = a.X_train.std(0, unbiased=False)
+    assert torch.allclose(std[std > 0], torch.ones_like(std[std > 0]), atol=1e-4)
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_digits(1.5)
+
+
+def test_quadratic_has_the_requested_spectrum_and_minimiser():
+    q = ill_conditioned_quadratic(dim=8, condition_number=1e3, seed=3)
+    assert q.condition_number == pytest.approx(1e3)
+    assert torch.allclose(torch.linalg.eigvalsh(q.A), q.eigenvalues, atol=1e-12)
+    assert float(q.loss(q.x_star)) == 0.0
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    q.loss(x).backward()
+    assert torch.allclose(x.grad, q.grad(x.detach()), atol=1e-12)
+    with pytest.raises(ValueError, match="condition_number"):
+        ill_conditioned_quadratic(condition_number=0.5)
+
+
+def test_models_have_the_documented_shapes():
+    assert LogisticRegression(64, 10)(torch.zeros(5, 64)).shape == (5, 10)
+    mlp = MLP(64, 32, 10, depth=3, norm=True)
+    assert mlp(torch.zeros(5, 64)).shape == (5, 10)
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in mlp) == 3
+    with pytest.raises(ValueError, match="depth"):
+        MLP(4, 4, 2, depth=0)
+
+
+def test_training_loop_learns_digits_and_records_update_rms():
+    seed_everything(0)
+    data = load_digits()
+    model = MLP(64, 32, 10)
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    log = train(model, opt, data.X_train, data.y_train, steps=150, batch_size=64, record_update_rms=True)
+    assert len(log.losses) == 150 and log.losses[-1] < 0.3 * log.losses[0]
+    assert log.update_rms.shape == (150, len(list(model.parameters())))
+    # Adam's first step is lr * sign(g) on every element with a non-zero gradient: RMS close to 1
+    assert 0.9 < float(log.update_rms[0, 0]) <= 1.0 + 1e-6
+    loss, acc = evaluate(model, data.X_test, data.y_test)
+    assert acc > 0.9
+    with pytest.raises(ValueError, match="steps"):
+        train(model, opt, data.X_train, data.y_train, steps=0)
+
+
+def test_seed_everything_rejects_bad_input():
+    with pytest.raises(ValueError, match="seed"):
+        seed_everything(-1)
