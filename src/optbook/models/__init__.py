@@ -1,5 +1,6 @@
 """Small models for the book's experiments (PyTorch layout: ``Linear.weight`` is ``(out, in)``)."""
 
 from .mlp import MLP, LogisticRegression
+from .transformer import CausalSelfAttention, TinyTransformer
 
-__all__ = ["LogisticRegression", "MLP"]
+__all__ = ["CausalSelfAttention", "LogisticRegression", "MLP", "TinyTransformer"]

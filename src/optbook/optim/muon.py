@@ -1,0 +1,179 @@
+"""Muon: momentum orthogonalised by Newton–Schulz. Explained in chapters 6 and 7.
+
+Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024); seed 000
+§5.1-5.5; Liu et al. (2025), "Muon is Scalable for LLM Training" (Moonlight, arXiv:2502.16982)
+eq. 3-4 for decoupled decay and RMS matching; seed 003 "Per-Head Muon" (Kimi K3) and "Muon Split"
+(GLM-5) for per-head orthogonalisation.
+
+For a 2-D parameter ``W`` of shape ``(fan_out, fan_in)`` (PyTorch layout) with gradient ``G``::
+
+    M <- lerp(M, G, 1 - momentum)                         (EMA momentum, as chapter 1)
+    D <- lerp(G, M, momentum)  if nesterov  else  M
+    O <- newton_schulz(D)      (per row block when the group sets ``head_split``)
+    W <- W - lr * (scale * O + weight_decay * W)
+
+``scale`` by ``scale_mode`` for a (block) shape ``(A, B) = (fan_out, fan_in)``, times
+``extra_scale_factor``: ``"shape_scaling"`` sqrt(max(1, A/B)) (Keller; ``torch.optim.Muon``'s
+``"original"``), ``"spectral"`` sqrt(max(A, B)) (with ``extra_scale_factor=0.2`` Moonlight's
+RMS matching, ``torch.optim.Muon``'s ``"match_rms_adamw"``), ``"unit_rms_norm"`` sqrt(A/B) (the
+RMS->RMS steepest-descent scale), ``"none"`` 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from ..newton_schulz import newton_schulz, ns_schedule
+from ._validation import check_lr, check_momentum, check_number, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["Muon", "SCALE_MODES", "muon_scale", "split_rows"]
+
+SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
+
+
+def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
+    """The factor multiplying the orthogonalised update of a ``(fan_out, fan_in)`` block.
+
+    Raises:
+        ValueError: unknown ``scale_mode`` or a shape that is not 2-D.
+    """
+    if len(shape) != 2:
+        raise ValueError(f"Invalid shape: expected (fan_out, fan_in), got {tuple(shape)}")
+    A, B = shape
+    if scale_mode == "shape_scaling":
+        s = math.sqrt(max(1.0, A / B))
+    elif scale_mode == "spectral":
+        s = math.sqrt(max(A, B))
+    elif scale_mode == "unit_rms_norm":
+        s = math.sqrt(A / B)
+    elif scale_mode == "none":
+        s = 1.0
+    else:
+        raise ValueError(f"Invalid scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
+    return s * extra_scale_factor
+
+
+def split_rows(rows: int, head_split) -> list[int]:
+    """Row counts of the blocks a ``(rows, cols)`` matrix is cut into before orthogonalisation.
+
+    ``head_split``: ``None`` (one block), an int ``H`` (``H`` equal blocks: one per head), or a
+    sequence of row counts (e.g. ``(q_rows, k_rows, v_rows)`` of a fused QKV projection, GQA's
+    unequal blocks included).
+
+    Raises:
+        ValueError: the blocks do not tile the rows exactly.
+    """
+    if head_split is None:
+        return [rows]
+    if isinstance(head_split, int) and not isinstance(head_split, bool):
+        if head_split < 1 or rows % head_split:
+            raise ValueError(f"Invalid head_split: {head_split} heads do not divide the {rows} rows")
+        return [rows // head_split] * head_split
+    sizes = [int(s) for s in head_split]
+    if any(s < 1 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"Invalid head_split: block sizes {sizes} must be positive and sum to the {rows} rows")
+    return sizes
+
+
+class Muon(BookOptimizer):
+    """Muon for 2-D hidden-layer weights (use :func:`muon_param_groups` to route the rest to AdamW).
+
+    Args:
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        lr: learning rate ``>= 0`` (0.02 is Keller's default with ``shape_scaling``).
+        momentum: EMA coefficient in ``[0, 1)``.
+        nesterov: use ``lerp(G, M, momentum)`` as the direction.
+        weight_decay: decoupled decay ``>= 0``, multiplied by ``lr`` (Moonlight eq. 3).
+        ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
+        scale_mode, extra_scale_factor: the update scale (module docstring).
+        eps: Newton–Schulz normaliser floor ``> 0``.
+        ns_dtype: dtype of the iteration (bf16 by default).
+        head_split: per-group row split before orthogonalisation (:func:`split_rows`).
+
+    Blocks of equal shape across the group are orthogonalised in one batched call.
+    State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
+
+    Raises:
+        ValueError: a parameter that is not 2-D (the message names its shape and points to
+            ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
+            rows, or a non-finite gradient (raised before anything changes: skip such a step,
+            chapter 11). TypeError: as for every optimizer of :mod:`optbook.optim`.
+    """
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
+                 scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
+                 ns_dtype: torch.dtype = torch.bfloat16, head_split=None):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
+                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype, head_split=head_split)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group = {**self.defaults, **param_group}
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and p.ndim != 2:
+                raise ValueError(
+                    f"Muon updates 2-D matrices only, but parameter {i} of this group has shape {tuple(p.shape)}; "
+                    "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
+                    "optbook.optim.muon_param_groups(model)")
+            if isinstance(p, torch.Tensor):
+                split_rows(p.shape[0], group["head_split"])
+        super().add_param_group({**param_group, "params": params})
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_momentum(group["momentum"])
+        check_weight_decay(group["weight_decay"])
+        check_number("extra_scale_factor", group["extra_scale_factor"])
+        check_number("eps", group["eps"], low=0.0, low_open=True)
+        ns_schedule(group["coefficients"], group["ns_steps"])
+        muon_scale((1, 1), group["scale_mode"])
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+
+    def _validate(self) -> None:
+        super()._validate()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    raise ValueError(f"Non-finite gradient in param_groups[{gi}]['params'][{pi}] "
+                                     f"(shape {tuple(p.shape)}): skip this step (see the loss scaler, "
+                                     "chapter 11); nothing was changed")
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        directions = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            m = state["momentum_buffer"]
+            m.lerp_(p.grad, 1 - momentum)
+            directions.append(p.grad.lerp(m, momentum) if group["nesterov"] else m)
+
+        # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
+        blocks = [list(d.split(split_rows(d.shape[0], group["head_split"]), dim=0)) for d in directions]
+        by_shape = defaultdict(list)
+        for i, bs in enumerate(blocks):
+            for j, b in enumerate(bs):
+                by_shape[tuple(b.shape)].append((i, j))
+        for shape, where in by_shape.items():
+            O = newton_schulz(torch.stack([blocks[i][j] for i, j in where]), steps=group["ns_steps"],
+                              coefficients=group["coefficients"], eps=group["eps"], dtype=group["ns_dtype"])
+            O.mul_(muon_scale(shape, group["scale_mode"], group["extra_scale_factor"]))
+            for k, (i, j) in enumerate(where):
+                blocks[i][j] = O[k]
+        for p, bs in zip(params, blocks):
+            p.mul_(1 - lr * wd)
+            p.sub_(torch.cat(bs, dim=0), alpha=lr)

@@ -1,0 +1,176 @@
+"""Muon: parity with torch.optim.Muon, scale conventions, head splitting, bad input, resume."""
+
+import copy
+
+import pytest
+import torch
+
+from optbook import newton_schulz, polar_factor
+from optbook.optim import Muon, muon_scale, split_rows
+
+
+def drive(opts_and_params, shape, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        grad = torch.randn(*shape, generator=g)
+        for opt, p in opts_and_params:
+            p.grad = grad.clone()
+            opt.step()
+
+
+@pytest.mark.parametrize("scale_mode, extra, adjust", [("shape_scaling", 1.0, "original"),
+                                                         ("spectral", 0.2, "match_rms_adamw")])
+@pytest.mark.parametrize("shape", [(32, 16), (16, 48)])
+def test_equals_torch_muon_within_bf16_tolerance(scale_mode, extra, adjust, shape):
+    W = torch.randn(*shape)
+    ours, ref = W.clone().requires_grad_(), W.clone().requires_grad_()
+    opt = Muon([ours], lr=0.02, weight_decay=0.1, scale_mode=scale_mode, extra_scale_factor=extra)
+    torch_opt = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
+    drive([(opt, ours), (torch_opt, ref)], shape, 100)
+    moved = float((ref - W).detach().abs().max())
+    # both iterate in bf16 (8 bits of mantissa); rounding differs per step, so the trajectories agree to
+    # about 1% of how far the weights moved
+    assert moved > 0.3
+    assert float((ours - ref).detach().abs().max()) <= 0.01 * moved
+
+
+def test_float64_iteration_matches_the_formula_exactly():
+    W = torch.randn(6, 4, dtype=torch.float64)
+    p = W.clone().requires_grad_()
+    opt = Muon([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.5, ns_dtype=torch.float64)
+    G1, G2 = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    w, m = W.clone(), torch.zeros_like(W)
+    for G in (G1, G2):
+        p.grad = G.clone()
+        opt.step()
+        m = m.lerp(G, 0.1)
+        O = newton_schulz(G.lerp(m, 0.9), dtype=torch.float64)
+        w = w - 0.1 * (muon_scale((6, 4)) * O + 0.5 * w)
+    torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-14)
+
+
+def test_scale_conventions_case():
+    assert muon_scale((4, 2)) == pytest.approx(1.414214, abs=1e-6)
+    assert muon_scale((2, 4)) == 1.0
+    assert muon_scale((4, 2), "spectral", 0.2) == pytest.approx(0.4)
+    assert muon_scale((2, 4), "spectral", 0.2) == pytest.approx(0.4)
+    assert muon_scale((2, 8), "unit_rms_norm") == pytest.approx(0.5)
+    assert muon_scale((2, 8), "none") == 1.0
+
+
+def test_zero_gradient_only_decays():
+    # case 2: ones(3, 2), zero gradient, lr 0.02, wd 0.1 -> 0.998 everywhere
+    p = torch.ones(3, 2, requires_grad=True)
+    opt = Muon([p], lr=0.02, weight_decay=0.1)
+    p.grad = torch.zeros(3, 2)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((3, 2), 0.998))
+
+
+def test_lerp_and_sum_momentum_forms_give_the_same_orthogonalised_direction():
+    # case 3: the lerp buffer is (1 - mu) times the sum buffer; NS normalises the scale away
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 7, generator=g, dtype=torch.float64) for _ in range(4)]
+    mu, lerp_buf, sum_buf = 0.9, torch.zeros(5, 7, dtype=torch.float64), torch.zeros(5, 7, dtype=torch.float64)
+    for G in grads:
+        lerp_buf.lerp_(G, 1 - mu)
+        sum_buf.mul_(mu).add_(G)
+        a = newton_schulz(G.lerp(lerp_buf, mu), dtype=torch.float64)
+        b = newton_schulz(G + mu * sum_buf, dtype=torch.float64)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_per_head_split_orthogonalises_each_head():
+    heads, d_head, d_in = 3, 4, 8
+    p = torch.zeros(heads * d_head, d_in, dtype=torch.float64, requires_grad=True)
+    opt = Muon([{"params": [p], "head_split": heads}], lr=1.0, momentum=0.0, nesterov=False,
+               scale_mode="none", ns_dtype=torch.float64, ns_steps=10, coefficients="deepseek_v4")
+    G = torch.randn(heads * d_head, d_in, dtype=torch.float64)
+    G[:d_head] *= 100.0  # one loud head
+    p.grad = G
+    opt.step()
+    update = -p.detach()
+    for h in range(heads):
+        block = update[h * d_head:(h + 1) * d_head]
+        torch.testing.assert_close(block, polar_factor(G[h * d_head:(h + 1) * d_head]), rtol=0, atol=2e-3)
+
+
+def test_gqa_unequal_blocks_and_bad_splits():
+    assert split_rows(12, (8, 2, 2)) == [8, 2, 2]
+    assert split_rows(12, 3) == [4, 4, 4]
+    with pytest.raises(ValueError, match="head_split"):
+        split_rows(10, 3)
+    with pytest.raises(ValueError, match="head_split"):
+        Muon([{"params": [torch.zeros(10, 4)], "head_split": 3}])
+    with pytest.raises(ValueError, match="head_split"):
+        Muon([{"params": [torch.zeros(10, 4)], "head_split": (4, 4)}])
+
+
+def test_non_matrix_parameter_is_refused_with_its_shape_and_the_routing_hint():
+    with pytest.raises(ValueError, match=r"\(4,\).*muon_param_groups"):
+        Muon([torch.zeros(4)])
+    with pytest.raises(ValueError, match=r"\(2, 3, 4\)"):
+        Muon([torch.zeros(2, 3, 4)])
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(coefficients="sextic"), "coefficients"), (dict(ns_steps=0), "steps"), (dict(lr=-1.0), "lr"),
+    (dict(momentum=1.0), "momentum"), (dict(scale_mode="mup"), "scale_mode"), (dict(weight_decay=-1.0), "weight_decay"),
+])
+def test_bad_hyperparameters(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        Muon([torch.zeros(3, 4, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_raises_and_changes_nothing(bad):
+    a, b = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    opt = Muon([a, b])
+    a.grad, b.grad = torch.randn(4, 3), torch.randn(4, 3)
+    opt.step()
+    before = [a.detach().clone(), b.detach().clone()], copy.deepcopy(opt.state_dict())
+    a.grad = torch.randn(4, 3)
+    b.grad = torch.randn(4, 3)
+    b.grad[1, 1] = bad
+    with pytest.raises(ValueError, match="Non-finite gradient"):
+        opt.step()
+    assert torch.equal(a, before[0][0]) and torch.equal(b, before[0][1])
+    for k, st in before[1]["state"].items():
+        assert torch.equal(opt.state_dict()["state"][k]["momentum_buffer"], st["momentum_buffer"])
+
+
+def test_same_shapes_are_batched_and_give_the_unbatched_result():
+    params = [torch.randn(8, 6, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    singles = [p.detach().clone().requires_grad_() for p in params]
+    opt = Muon(params, ns_dtype=torch.float64)
+    opts = [Muon([q], ns_dtype=torch.float64) for q in singles]
+    for _ in range(3):
+        grads = [torch.randn(8, 6, dtype=torch.float64) for _ in params]
+        for p, q, g, o in zip(params, singles, grads, opts):
+            p.grad, q.grad = g.clone(), g.clone()
+            o.step()
+        opt.step()
+    for p, q in zip(params, singles):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-14)
+
+
+def test_resume_is_bit_identical():
+    W = torch.randn(6, 10)
+    straight = W.clone().requires_grad_()
+    opt = Muon([straight], weight_decay=0.1)
+    drive([(opt, straight)], (6, 10), 10)
+    first = W.clone().requires_grad_()
+    opt1 = Muon([first], weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(6, 10, generator=g) for _ in range(10)]
+    for G in grads[:4]:
+        first.grad = G.clone()
+        opt1.step()
+    saved = copy.deepcopy(opt1.state_dict())
+    second = first.detach().clone().requires_grad_()
+    opt2 = Muon([second], weight_decay=0.1)
+    opt2.load_state_dict(saved)
+    for G in grads[4:]:
+        second.grad = G.clone()
+        opt2.step()
+    assert torch.equal(second, straight)

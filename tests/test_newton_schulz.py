@@ -1,0 +1,125 @@
+"""Newton–Schulz against its scalar oracle and the exact polar factor (cases 1 and 2)."""
+
+import pytest
+import torch
+
+from optbook import newton_schulz, ns_schedule, polar_factor
+
+SCHEDULES = [("simple", 5), ("quintic", 5), ("deepseek_v4", 10), ("cubic", 12)]
+
+
+def phi_composed(s, schedule):
+    for a, b, c in schedule:
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+def random_svd(m, n, singular_values, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))[0][:, : len(singular_values)]
+    V = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0][:, : len(singular_values)]
+    return U, V, U @ torch.diag(singular_values) @ V.T
+
+
+@pytest.mark.parametrize("name, steps", SCHEDULES)
+@pytest.mark.parametrize("m, n", [(6, 10), (10, 6), (7, 7)])
+def test_matrix_iteration_equals_the_scalar_polynomial_on_each_singular_value(name, steps, m, n):
+    s = torch.linspace(0.05, 1.0, min(m, n), dtype=torch.float64)
+    s = s / s.norm()  # the input is normalised by its Frobenius norm = ||s||_2, so pass it pre-normalised
+    U, V, G = random_svd(m, n, s)
+    out = newton_schulz(G, steps=steps, coefficients=name, dtype=torch.float64)
+    expected = U @ torch.diag(phi_composed(s, ns_schedule(name, steps))) @ V.T
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)  # float64, ~steps * 1e-15 rounding
+
+
+def test_orientation_case():
+    G = torch.tensor([[1.0, 2], [3, 4], [5, 6], [7, 8]])
+    X = newton_schulz(G, dtype=torch.float32)
+    assert X.shape == (4, 2)
+    torch.testing.assert_close(X, newton_schulz(G.T, dtype=torch.float32).T, rtol=0, atol=1e-6)
+    expected = torch.tensor([[-0.447072, 0.512406], [-0.107401, 0.407904], [0.232271, 0.303401], [0.571942, 0.198899]])
+    torch.testing.assert_close(X, expected, rtol=0, atol=2e-6)  # values given to 6 decimals
+    torch.testing.assert_close(torch.linalg.svdvals(X), torch.tensor([0.816458, 0.697446]), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_zero_matrix_gives_zeros_never_nan(dtype):
+    out = newton_schulz(torch.zeros(3, 2, dtype=dtype))
+    assert out.dtype == dtype and torch.equal(out, torch.zeros(3, 2, dtype=dtype))
+    assert torch.equal(polar_factor(torch.zeros(3, 2, dtype=dtype)), torch.zeros(3, 2, dtype=dtype))
+
+
+def test_scale_invariance_down_to_eps():
+    eye = torch.eye(4, dtype=torch.float64)
+    ref = newton_schulz(eye, dtype=torch.float64)
+    torch.testing.assert_close(ref.diagonal(), torch.full((4,), 0.765439, dtype=torch.float64), rtol=0, atol=1e-6)
+    for s in (1e-3, 1e-2, 0.5, 1.0):
+        torch.testing.assert_close(newton_schulz(s * eye, dtype=torch.float64), ref, rtol=0, atol=1e-12)
+        # fp32 agrees to its own precision
+        torch.testing.assert_close(newton_schulz((s * eye).float(), dtype=torch.float32), ref.float(), rtol=0, atol=1e-5)
+
+
+def test_large_gradient_is_normalised_before_the_low_precision_cast():
+    G = 1e5 * torch.randn(8, 16)
+    out = newton_schulz(G, dtype=torch.float16)  # casting first would overflow fp16 (max 65504)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, newton_schulz(G / 1e5, dtype=torch.float16), rtol=0, atol=1e-6)
+
+
+def test_rank_deficient_input_keeps_its_rank_and_matches_the_partial_isometry():
+    s = torch.tensor([1.0, 0.5, 0.0, 0.0], dtype=torch.float64)
+    U, V, G = random_svd(6, 9, s)
+    exact = polar_factor(G)
+    torch.testing.assert_close(exact, U[:, :2] @ V[:, :2].T, rtol=0, atol=1e-12)
+    approx = newton_schulz(G, steps=10, coefficients="deepseek_v4", dtype=torch.float64)
+    # round-off directions (~1e-16) grow by at most phi'(0)^10 ~ 1e5: still far below the kept ones
+    sv = torch.linalg.svdvals(approx)
+    assert float(sv[1]) > 0.99 and float(sv[2]) < 1e-9
+    assert float((approx - exact).norm() / exact.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (7, 1), (5, 3, 4, 6), (2, 6, 4)])
+def test_batched_and_degenerate_shapes(shape):
+    G = torch.randn(*shape, dtype=torch.float64)
+    out = newton_schulz(G, dtype=torch.float64)
+    assert out.shape == G.shape
+    flat_in, flat_out = G.reshape(-1, *shape[-2:]), out.reshape(-1, *shape[-2:])
+    for a, b in zip(flat_in, flat_out):
+        torch.testing.assert_close(b, newton_schulz(a, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_one_by_n_input_is_its_unit_vector_direction():
+    # a 1 x n matrix has one singular value: 5 simple steps map 1 to phi^5(1) (0.7654 for the simple schedule)
+    g = torch.tensor([[3.0, 4.0]], dtype=torch.float64)
+    out = newton_schulz(g, dtype=torch.float64)
+    torch.testing.assert_close(out, phi_composed(torch.tensor(1.0, dtype=torch.float64),
+                                                 ns_schedule("simple", 5)) * g / 5.0, rtol=0, atol=1e-12)
+
+
+def test_polar_factor_is_the_exact_oracle():
+    G = torch.randn(5, 8, dtype=torch.float64)
+    P = polar_factor(G)
+    torch.testing.assert_close(P @ P.T, torch.eye(5, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert float((newton_schulz(G, steps=10, coefficients="deepseek_v4", dtype=torch.float64) - P).norm()) < 1e-2
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(coefficients="sextic"), "coefficients"), (dict(steps=0), "steps"), (dict(steps=2.5), "steps"),
+    (dict(coefficients="deepseek_v4", steps=5), "steps=10"), (dict(coefficients=[(1.0, 2.0)]), "coefficients"),
+    (dict(eps=0.0), "eps"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        newton_schulz(torch.randn(3, 4), **kwargs)
+
+
+def test_non_matrix_and_integer_input_is_refused():
+    with pytest.raises(ValueError, match="G"):
+        newton_schulz(torch.randn(4))
+    with pytest.raises(TypeError, match="G"):
+        newton_schulz(torch.ones(2, 2, dtype=torch.int64))
+
+
+def test_explicit_schedules_cycle():
+    assert ns_schedule("quintic", 7)[5] == ns_schedule("quintic", 5)[0]
+    assert ns_schedule([(1, 2, 3), (4, 5, 6)], 3) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (1.0, 2.0, 3.0)]
