@@ -1,0 +1,168 @@
+"""QK-clip invariants for MHA, GQA (both rules) and MLA; bad input changes nothing; MAX across ranks."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from optbook import qk_clip_
+from optbook.models import TinyTransformer
+from optbook.qk_clip import qk_clip_factors
+
+TAU = 5.0
+CONFIGS = {
+    "mha": dict(n_heads=4),
+    "gqa": dict(n_heads=4, n_kv_heads=2),
+    "mla": dict(n_heads=4, attention="mla"),
+}
+
+
+def loud_model(kind, seed=0):
+    """A model whose attention logits exceed TAU in some heads and not in others."""
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size=16, d_model=32, n_layers=2, max_seq_len=16, **CONFIGS[kind])
+    with torch.no_grad():
+        for i, attn in enumerate(model.attention_layers()):
+            q = attn.q_c_proj.weight if kind == "mla" else attn.q_proj.weight
+            k = attn.k_c_proj.weight if kind == "mla" else attn.k_proj.weight
+            q.mul_(60.0)
+            k.mul_(60.0)
+            q[: attn.d_head].mul_(0.01)  # head 0 stays quiet
+    return model
+
+
+def batch():
+    return torch.randint(0, 16, (4, 12), generator=torch.Generator().manual_seed(1))
+
+
+def recorded(model, x):
+    model.train()
+    model(x)
+    return model.max_logits().clone()
+
+
+def recorded_with_inputs(model, x):
+    """Forward, keeping each attention layer's input: a layer's logits after clipping are compared on
+    the same input (clipping layer 0 changes what layer 1 sees, so a full forward would not be)."""
+    inputs = []
+    hooks = [a.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach())) for a in model.attention_layers()]
+    s = recorded(model, x)
+    for h in hooks:
+        h.remove()
+    return s, inputs
+
+
+def relogits(model, inputs):
+    for attn, inp in zip(model.attention_layers(), inputs):
+        attn(inp)
+    return model.max_logits().clone()
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind, rule", [("mha", "group"), ("gqa", "group"), ("gqa", "per_head"), ("mla", "group")])
+def test_after_clip_every_head_is_at_most_tau_and_nothing_else_moved(kind, rule):
+    model, x = loud_model(kind), batch()
+    before_s, inputs = recorded_with_inputs(model, x)
+    assert (before_s > TAU).any() and (before_s <= TAU).any()
+    before = snapshot(model)
+    report = qk_clip_(model, tau=TAU, gqa_rule=rule)
+    after_s = relogits(model, inputs)
+    assert (after_s <= TAU * (1 + 1e-5)).all()
+    clipped = before_s > TAU
+    # clipped heads land on tau (MHA, MLA, and GQA per-head: exactly their own gamma)
+    if kind != "gqa" or rule == "per_head":
+        torch.testing.assert_close(after_s[clipped], torch.full_like(after_s[clipped], TAU), rtol=1e-4, atol=0)
+        torch.testing.assert_close(after_s[~clipped], before_s[~clipped], rtol=1e-5, atol=0)
+    assert {(r["layer"], r["head"]) for r in report if r["s_max"] > TAU} == set(map(tuple, clipped.nonzero().tolist()))
+    after = snapshot(model)
+    for name, value in before.items():
+        if not any(key in name for key in ("q_proj", "k_proj", "q_c_proj", "k_c_proj", "q_r_proj")):
+            assert torch.equal(after[name], value), f"{name} changed"
+    for li, attn in enumerate(model.attention_layers()):
+        group = attn.n_heads // getattr(attn, "n_kv_heads", attn.n_heads)
+        d = attn.d_head
+        for h in range(attn.n_heads):
+            group_clipped = bool(clipped[li, (h // group) * group:(h // group + 1) * group].any())
+            prefix = f"layers.{li}.attn."
+            q_name = prefix + ("q_c_proj.weight" if kind == "mla" else "q_proj.weight")
+            if not group_clipped:  # untouched bit for bit
+                assert torch.equal(after[q_name][h * d:(h + 1) * d], before[q_name][h * d:(h + 1) * d])
+    if kind == "mla":  # the shared rotary key is never touched
+        for li in range(2):
+            assert torch.equal(after[f"layers.{li}.attn.k_r_proj.weight"], before[f"layers.{li}.attn.k_r_proj.weight"])
+
+
+def test_gqa_group_rule_overclips_and_per_head_rule_does_not():
+    s = torch.tensor([200.0, 50.0, 80.0, 20.0])  # groups {0, 1} and {2, 3} with tau 100
+    q, k = qk_clip_factors(s, 100.0, n_kv_heads=2, gqa_rule="group")
+    torch.testing.assert_close((q * k.repeat_interleave(2)), torch.tensor([0.5, 0.5, 1.0, 1.0], dtype=torch.float64))
+    q, k = qk_clip_factors(s, 100.0, n_kv_heads=2, gqa_rule="per_head")
+    torch.testing.assert_close((q * k.repeat_interleave(2)), torch.tensor([0.5, 1.0, 1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(k, torch.tensor([0.5 ** 0.5, 1.0], dtype=torch.float64))
+
+
+def test_mla_factors_are_sqrt_gamma_on_content_and_gamma_on_rotary_query():
+    model, x = loud_model("mla"), batch()
+    s = recorded(model, x)
+    attn = model.layers[0].attn
+    h = int(s[0].argmax())
+    gamma = TAU / float(s[0, h])
+    before = snapshot(model)
+    qk_clip_(model, tau=TAU)
+    rows = slice(h * attn.d_head, (h + 1) * attn.d_head)
+    rrows = slice(h * attn.d_rope, (h + 1) * attn.d_rope)
+    p = "layers.0.attn."
+    torch.testing.assert_close(attn.q_c_proj.weight[rows], before[p + "q_c_proj.weight"][rows] * gamma ** 0.5)
+    torch.testing.assert_close(attn.k_c_proj.weight[rows], before[p + "k_c_proj.weight"][rows] * gamma ** 0.5)
+    torch.testing.assert_close(attn.q_r_proj.weight[rrows], before[p + "q_r_proj.weight"][rrows] * gamma)
+
+
+def test_bad_input_raises_and_changes_no_weight():
+    model, x = loud_model("mha"), batch()
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="recorded no max logits"):
+        qk_clip_(model, tau=TAU)  # no forward yet
+    recorded(model, x)
+    for tau in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="tau"):
+            qk_clip_(model, tau=tau)
+    model.layers[1].attn.max_logits = torch.ones(3)  # does not match 4 heads; layer 0 is valid and would clip
+    with pytest.raises(ValueError, match="3 recorded maxima for 4 heads"):
+        qk_clip_(model, tau=TAU)
+    after = snapshot(model)
+    assert all(torch.equal(after[n], v) for n, v in before.items())
+    with pytest.raises(RuntimeError, match="no attention layer"):
+        qk_clip_(torch.nn.Linear(2, 2))
+
+
+def test_maxima_are_consumed_so_a_second_call_cannot_clip_twice():
+    model, x = loud_model("mha"), batch()
+    recorded(model, x)
+    qk_clip_(model, tau=TAU)
+    with pytest.raises(RuntimeError, match="recorded no max logits"):
+        qk_clip_(model, tau=TAU)
+
+
+def _worker(rank, world, init_file, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    # rank 1 saw a much larger logit in head 1 than rank 0: both must clip head 1 by rank 1's value
+    model.layers[0].attn.max_logits = torch.tensor([1.0, 10.0 if rank == 0 else 40.0])
+    report = qk_clip_(model, tau=20.0)
+    results[rank] = ([(r["head"], r["s_max"]) for r in report], model.layers[0].attn.q_proj.weight.detach().clone())
+    dist.destroy_process_group()
+
+
+def test_per_head_maxima_are_max_reduced_across_data_parallel_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True)
+        assert results[0][0] == results[1][0] == [(1, 40.0)]
+        assert torch.equal(results[0][1], results[1][1])
