@@ -1,14 +1,14 @@
 """optbook: the package behind *Optimizers, Derived*.
 
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
-:mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
+:mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
 :mod:`optbook.runtime`.
 """
 
-from . import data, models, optim, plotting, runtime, training
+from . import data, diagnostics, models, optim, plotting, runtime, schedules, training
 from .newton_schulz import newton_schulz, ns_schedule, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
-__all__ = ["data", "models", "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "qk_clip_",
-           "runtime", "training"]
+__all__ = ["data", "diagnostics", "models", "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "qk_clip_",
+           "runtime", "schedules", "training"]

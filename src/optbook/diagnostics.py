@@ -1,0 +1,69 @@
+"""Relative update size per layer, grouped by role. Explained in chapter 9.
+
+Source: seed 003 "Update scale": ``rho_l = ||Delta theta_l||_F / (||theta_l||_F + eps)``; layers whose
+``rho`` differ by orders of magnitude point at a parametrisation, learning-rate, scaling or routing
+problem. Grouped by attention, MLP, embedding, norm (and output head / other).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .models.transformer import CausalSelfAttention, MultiHeadLatentAttention
+from .optim.param_groups import classify_parameters
+
+__all__ = ["snapshot", "relative_update", "parameter_kind"]
+
+ATTENTION_TYPES = (CausalSelfAttention, MultiHeadLatentAttention, nn.MultiheadAttention)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of every trainable parameter, by name (the ``before``/``after`` arguments)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def parameter_kind(model: nn.Module) -> dict[str, str]:
+    """Map each parameter name to ``"attention"``, ``"mlp"``, ``"embedding"``, ``"norm"``, ``"output"``
+    or ``"other"``, by module type and role (never by name)."""
+    inside_attention = {id(p) for m in model.modules() if isinstance(m, ATTENTION_TYPES) for p in m.parameters()}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = {id(p) for p in getter().parameters()} if callable(getter) else set()
+    kinds = {}
+    for info in classify_parameters(model):
+        if info.role == "embedding":
+            kind = "embedding"
+        elif info.role == "norm":
+            kind = "norm"
+        elif id(info.param) in head:
+            kind = "output"
+        elif id(info.param) in inside_attention:
+            kind = "attention"
+        elif info.role in ("weight", "bias"):
+            kind = "mlp"
+        else:
+            kind = "other"
+        kinds[info.name] = kind
+    return kinds
+
+
+def relative_update(model: nn.Module, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+                    eps: float = 1e-12) -> dict[str, dict[str, float]]:
+    """``||after - before||_F / (||before||_F + eps)`` per parameter, grouped by kind.
+
+    Args:
+        model: the model the snapshots came from (for the grouping).
+        before, after: :func:`snapshot` results (name -> tensor).
+        eps: guards an all-zero parameter.
+
+    Returns:
+        ``{kind: {name: rho}}`` with kinds as in :func:`parameter_kind`; float64 arithmetic.
+
+    Raises:
+        KeyError: a parameter missing from ``before`` or ``after``.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for name, kind in parameter_kind(model).items():
+        b, a = before[name].double(), after[name].double()
+        out.setdefault(kind, {})[name] = float((a - b).norm() / (b.norm() + eps))
+    return out

@@ -1,0 +1,104 @@
+"""Adafactor: a factored second moment. Explained in chapter 4.
+
+Source: Shazeer & Stern (2018), "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+arXiv:1804.04235, Algorithms 4-5 (factored and unfactored), with update clipping (sec. 6) and the
+relative step size (sec. 8); written in the same form as ``torch.optim.Adafactor`` so the two agree.
+
+At step ``t`` for a matrix gradient ``G`` of shape ``(..., m, n)`` (factored over the last two dims)::
+
+    beta2_t = 1 - t ** beta2_decay                                   (beta2_decay = -0.8)
+    r <- lerp(r, mean_cols(G*G), 1 - beta2_t)       shape (..., m, 1)   (row EMA)
+    c <- lerp(c, mean_rows(G*G), 1 - beta2_t)       shape (..., 1, n)   (column EMA)
+    V  = r c / mean(r)                              the rank-1 estimate of E[G*G], (..., m, n)
+    U  = G / sqrt(max(V, eps1**2))
+    U  = U / max(1, RMS(U) / d)                     update clipping
+    p <- p * (1 - lr * weight_decay) - max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) * U   (relative step)
+
+A 0-D or 1-D gradient keeps an unfactored EMA ``v`` of ``G*G`` (Algorithm 5). Memory for an
+``m x n`` matrix: ``m + n`` numbers instead of Adam's ``2 m n``. If ``V`` is exactly rank one
+(``G*G = a b^T``), the factored estimate equals the full second moment (chapter 4 shows it).
+The paper adds ``eps1`` to ``G*G`` instead of clamping ``V``; the difference matters only for
+gradients below ``eps1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_lr, check_number, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["Adafactor"]
+
+
+class Adafactor(BookOptimizer):
+    """Adafactor with relative step size and update clipping (Shazeer & Stern 2018).
+
+    Args:
+        params: real floating-point tensors or param-group dicts. Tensors with two or more
+            dimensions are factored over their last two dimensions (leading dimensions are a batch
+            of matrices); 0-D and 1-D tensors are not factored.
+        lr: cap ``rho`` of the relative step ``min(lr, 1/sqrt(t))``, ``>= 0``.
+        beta2_decay: exponent ``<= 0`` of ``1 - beta2_t = t ** beta2_decay``.
+        eps: ``(eps1, eps2)``: floor of the second-moment estimate (``None``: the dtype's machine
+            epsilon) and floor of the parameter RMS in the relative step.
+        d: update-clipping threshold ``> 0`` on ``RMS(U)``.
+        weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
+
+    State per parameter: ``step`` (int); ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 1, n)`` for
+    factored tensors, ``variance`` (parameter's shape) otherwise.
+
+    Raises:
+        ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_number("beta2_decay", group["beta2_decay"], high=0.0)
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise TypeError(f"Invalid eps: expected a pair (eps1, eps2), got {eps!r}")
+        if eps[0] is not None:
+            check_number("eps[0]", eps[0], low=0.0)
+        check_number("eps[1]", eps[1], low=0.0)
+        check_number("d", group["d"], low=0.0, low_open=True)
+        check_weight_decay(group["weight_decay"])
+
+    def _step_group(self, group: dict) -> None:
+        lr, wd, d = group["lr"], group["weight_decay"], group["d"]
+        eps1_opt, eps2 = group["eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            factored = p.ndim >= 2
+            if not state:
+                state["step"] = 0
+                if factored:
+                    state["row_var"] = p.new_zeros(*p.shape[:-1], 1)
+                    state["col_var"] = p.new_zeros(*p.shape[:-2], 1, p.shape[-1])
+                else:
+                    state["variance"] = torch.zeros_like(p)
+            state["step"] += 1
+            t = state["step"]
+            eps1 = torch.finfo(p.dtype).eps if eps1_opt is None else eps1_opt
+            one_minus_beta2 = t ** group["beta2_decay"]
+            alpha = max(eps2, float(p.norm()) / p.numel() ** 0.5) * min(lr, t ** -0.5)
+            if wd:
+                p.mul_(1 - lr * wd)
+            if factored:
+                state["row_var"].lerp_(g.square().mean(dim=-1, keepdim=True), one_minus_beta2)
+                state["col_var"].lerp_(g.square().mean(dim=-2, keepdim=True), one_minus_beta2)
+                V = state["row_var"] @ state["col_var"]
+                V.div_(state["row_var"].mean(dim=-2, keepdim=True).clamp(min=eps1))
+            else:
+                state["variance"].lerp_(g.square(), one_minus_beta2)
+                V = state["variance"].clone()
+            U = V.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
+            clip = max(1.0, float(U.norm()) / (U.numel() ** 0.5 * d))
+            p.sub_(U, alpha=alpha / clip)

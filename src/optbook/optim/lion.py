@@ -1,0 +1,62 @@
+"""Lion: the sign of an interpolated momentum. Explained in chapter 4.
+
+Source: Chen et al. (2023), "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675,
+Algorithm 2; seed 000 §4 (Megatron-LM's defaults ``lion_beta1/2 = 0.95/0.98``).
+
+For a parameter ``p`` with gradient ``g`` (elementwise, shapes of ``p``)::
+
+    c <- lerp(m, g, 1 - beta1)                     (interpolate: beta1 m + (1 - beta1) g)
+    p <- p * (1 - lr * weight_decay) - lr * sign(c)   (decoupled decay, outside the sign)
+    m <- lerp(m, g, 1 - beta2)                     (the only state: one buffer)
+
+``sign(0) = 0``: a coordinate whose interpolation is exactly zero does not move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_betas, check_lr, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["Lion"]
+
+
+class Lion(BookOptimizer):
+    """Lion (Chen et al. 2023, Algorithm 2) with decoupled weight decay.
+
+    Args:
+        params: real floating-point tensors or param-group dicts.
+        lr: learning rate ``>= 0``; every coordinate moves by exactly ``lr`` (plus decay) per step,
+            so Lion's lr is typically 3-10x smaller than AdamW's.
+        betas: ``(beta1, beta2)`` in ``[0, 1)``: interpolation for the update, EMA for the state.
+        weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
+
+    State per parameter: ``exp_avg`` (shape and dtype of the parameter).
+
+    Raises:
+        ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
+    """
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.95, 0.98),
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_weight_decay(group["weight_decay"])
+
+    def _step_group(self, group: dict) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            m = state["exp_avg"]
+            direction = m.lerp(p.grad, 1 - beta1).sign_()
+            p.mul_(1 - lr * wd).sub_(direction, alpha=lr)
+            m.lerp_(p.grad, 1 - beta2)

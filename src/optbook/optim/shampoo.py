@@ -1,0 +1,110 @@
+"""Shampoo: left and right Kronecker-factored preconditioners. Explained in chapter 4.
+
+Source: Gupta, Koren & Singer (2018), "Shampoo: Preconditioned Stochastic Tensor Optimization",
+arXiv:1802.09568, Algorithm 1 (order 2); seed 000 §4 (without accumulation Shampoo's update is
+``U V^T``: the bridge to Muon).
+
+For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
+
+    L <- beta2 * L + G G^T        (m, m), starts at eps * I
+    R <- beta2 * R + G^T G        (n, n), starts at eps * I
+    W <- W - lr * L^(-1/4) G R^(-1/4)
+
+``beta2 = 1`` is the paper's running sum; ``beta2 = 0`` keeps no history, and then, with
+``G = U S V^T`` and ``eps -> 0``, ``L^(-1/4) G R^(-1/4) = U S^(-1/2) U^T U S V^T V S^(-1/2) V^T = U V^T``.
+Inverse fourth roots come from a float64 eigendecomposition, refreshed every
+``precondition_frequency`` steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_lr, check_number, check_weight_decay
+from .optimizer import BookOptimizer
+
+__all__ = ["Shampoo", "inverse_root"]
+
+
+def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
+    """``A^(-1/p)`` of a symmetric positive-definite matrix via ``eigh`` in float64; A's dtype back.
+
+    Eigenvalues are clamped at the largest times ``1e-12`` (rounding can make them slightly negative).
+    """
+    lam, Q = torch.linalg.eigh(A.double())
+    lam = lam.clamp(min=float(lam.max()) * 1e-12 if float(lam.max()) > 0 else 1e-300)
+    return ((Q * lam.pow(-1.0 / p)) @ Q.mT).to(A.dtype)
+
+
+class Shampoo(BookOptimizer):
+    """Shampoo for 2-D parameters (pair it with AdamW for the rest, as with Muon).
+
+    Args:
+        params: 2-D real floating-point tensors or param-group dicts.
+        lr: learning rate ``>= 0``.
+        beta2: preconditioner accumulation in ``[0, 1]``: 1 sums (paper), 0 keeps no history.
+        eps: initial diagonal ``eps * I`` of ``L`` and ``R`` (and the ridge without history), ``> 0``.
+        momentum: EMA momentum on the preconditioned update, in ``[0, 1)``.
+        precondition_frequency: recompute the inverse roots every this many steps (``>= 1``).
+        weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
+
+    State per parameter: ``step``, ``L`` ``(m, m)``, ``R`` ``(n, n)``, their inverse roots, and a
+    ``momentum_buffer`` when ``momentum > 0``.
+
+    Raises:
+        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters.
+        TypeError: as for every optimizer of :mod:`optbook.optim`.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,
+                 precondition_frequency: int = 1, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, beta2=beta2, eps=eps, momentum=momentum,
+                                      precondition_frequency=precondition_frequency, weight_decay=weight_decay))
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and p.ndim != 2:
+                raise ValueError(f"{type(self).__name__} preconditions 2-D matrices only, but parameter {i} has shape "
+                                 f"{tuple(p.shape)}; give 0-D/1-D/3-D tensors to AdamW (e.g. via "
+                                 "optbook.optim.muon_param_groups) or reshape them")
+        super().add_param_group({**param_group, "params": params})
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_number("beta2", group["beta2"], low=0.0, high=1.0)
+        check_number("eps", group["eps"], low=0.0, low_open=True)
+        check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+        f = group["precondition_frequency"]
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+        check_weight_decay(group["weight_decay"])
+
+    def _step_group(self, group: dict) -> None:
+        lr, beta2, eps = group["lr"], group["beta2"], group["eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            G, state = p.grad, self.state[p]
+            if not state:
+                m, n = p.shape
+                state["step"] = 0
+                state["L"] = eps * torch.eye(m, dtype=p.dtype, device=p.device)
+                state["R"] = eps * torch.eye(n, dtype=p.dtype, device=p.device)
+                if group["momentum"]:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+            state["step"] += 1
+            L, R = state["L"], state["R"]
+            if beta2 == 0.0:  # no history: eps * I + G G^T
+                L.copy_(torch.eye(L.shape[0], dtype=L.dtype, device=L.device).mul_(eps)).add_(G @ G.mT)
+                R.copy_(torch.eye(R.shape[0], dtype=R.dtype, device=R.device).mul_(eps)).add_(G.mT @ G)
+            else:
+                L.mul_(beta2).add_(G @ G.mT)
+                R.mul_(beta2).add_(G.mT @ G)
+            if (state["step"] - 1) % group["precondition_frequency"] == 0:
+                state["L_inv_root"], state["R_inv_root"] = inverse_root(L), inverse_root(R)
+            update = state["L_inv_root"] @ G @ state["R_inv_root"]
+            if group["momentum"]:
+                update = state["momentum_buffer"].lerp_(update, 1 - group["momentum"])
+            p.mul_(1 - lr * group["weight_decay"]).sub_(update, alpha=lr)

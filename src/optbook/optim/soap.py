@@ -1,0 +1,96 @@
+"""SOAP: Adam in Shampoo's eigenbasis. Explained in chapter 4.
+
+Source: Vyas et al. (2024), "SOAP: Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321,
+Algorithm 1 (one-sided variants and merged dimensions are left out); seed 000 §4.
+
+For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
+
+    L <- lerp(L, G G^T, 1 - shampoo_beta);  R <- lerp(R, G^T G, 1 - shampoo_beta)
+    every precondition_frequency steps: Q_L, Q_R <- eigenvectors of L, R
+    G' = Q_L^T G Q_R                                   (rotate into the eigenbasis)
+    m  <- lerp(m, G, 1 - beta1)                         (kept in the original basis)
+    v  <- lerp(v, G'*G', 1 - beta2)                     (kept in the rotated basis)
+    N' = (Q_L^T m Q_R / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+    W  <- W * (1 - lr * weight_decay) - lr * Q_L N' Q_R^T
+
+When the basis is refreshed ``v`` is kept as it is (the paper's simplest choice). The very first
+step computes the basis from the first gradient before using it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._validation import check_betas, check_eps, check_number
+from .shampoo import Shampoo
+
+__all__ = ["SOAP"]
+
+
+class SOAP(Shampoo):
+    """SOAP for 2-D parameters (pair it with AdamW for the rest).
+
+    Args:
+        params: 2-D real floating-point tensors or param-group dicts.
+        lr: learning rate ``>= 0``.
+        betas: Adam's ``(beta1, beta2)`` in ``[0, 1)``.
+        shampoo_beta: EMA coefficient of ``L`` and ``R`` in ``[0, 1)``.
+        eps: Adam's ``eps`` ``> 0`` (outside the root).
+        precondition_frequency: refresh the eigenbasis every this many steps (``>= 1``).
+        weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
+
+    State per parameter: ``step``, ``exp_avg`` ``(m, n)``, ``exp_avg_sq`` ``(m, n)``, ``L``, ``Q_L``
+    ``(m, m)``, ``R``, ``Q_R`` ``(n, n)``.
+
+    Raises:
+        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters.
+        TypeError: as for every optimizer of :mod:`optbook.optim`.
+    """
+
+    def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
+                 shampoo_beta: float = 0.95, eps: float = 1e-8, precondition_frequency: int = 10,
+                 weight_decay: float = 0.0):
+        super(Shampoo, self).__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                                                   precondition_frequency=precondition_frequency,
+                                                   weight_decay=weight_decay))
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_number("lr", group["lr"], low=0.0)
+        check_betas(group["betas"])
+        check_number("shampoo_beta", group["shampoo_beta"], low=0.0, high=1.0, high_open=True)
+        check_eps(group["eps"])
+        f = group["precondition_frequency"]
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+        check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def _step_group(self, group: dict) -> None:
+        lr, eps, sb = group["lr"], group["eps"], group["shampoo_beta"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            G, state = p.grad, self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                state["L"] = G @ G.mT
+                state["R"] = G.mT @ G
+            else:
+                state["L"].lerp_(G @ G.mT, 1 - sb)
+                state["R"].lerp_(G.mT @ G, 1 - sb)
+            state["step"] += 1
+            t = state["step"]
+            if (t - 1) % group["precondition_frequency"] == 0:
+                state["Q_L"] = torch.linalg.eigh(state["L"].double())[1].to(p.dtype)
+                state["Q_R"] = torch.linalg.eigh(state["R"].double())[1].to(p.dtype)
+            QL, QR = state["Q_L"], state["Q_R"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(G, 1 - beta1)
+            v.lerp_((QL.mT @ G @ QR).square_(), 1 - beta2)
+            m_hat = (QL.mT @ m @ QR) / (1 - beta1 ** t)
+            N = m_hat / (v.div(1 - beta2 ** t).sqrt_().add_(eps))
+            p.mul_(1 - lr * group["weight_decay"]).sub_(QL @ N @ QR.mT, alpha=lr)
