@@ -14,7 +14,8 @@ from sklearn.datasets import load_digits as _sk_load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
-__all__ = ["Digits", "load_digits", "Quadratic", "ill_conditioned_quadratic"]
+__all__ = ["Digits", "load_digits", "Quadratic", "ill_conditioned_quadratic", "IGNORE_INDEX", "copy_task",
+           "associative_recall", "markov_chain", "sample_markov", "markov_entropy"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +120,88 @@ def ill_conditioned_quadratic(dim: int = 2, condition_number: float = 100.0, *, 
     A = 0.5 * (A + A.T)
     x_star = torch.randn(dim, generator=g, dtype=torch.float64).to(dtype)
     return Quadratic(A, x_star, lam)
+
+
+# --- generated sequence tasks (chapters 7-9) -------------------------------------------------------
+
+IGNORE_INDEX = -100  #: target value ``F.cross_entropy`` ignores (its default ``ignore_index``)
+
+
+def copy_task(batch_size: int, seq_len: int, vocab_size: int, *, generator: torch.Generator | None = None,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copying: a random first half, then the same tokens again; only the second half is scored.
+
+    Returns ``(inputs, targets)``, both int64 ``(batch_size, seq_len)``: next-token targets, with
+    :data:`IGNORE_INDEX` where nothing can be predicted (the first half). A model that has learned to
+    copy reaches zero loss; one that has not sits at ``log(vocab_size)``.
+
+    Raises:
+        ValueError: ``seq_len`` odd or < 4, ``vocab_size < 2``, ``batch_size < 1``.
+    """
+    if seq_len < 4 or seq_len % 2:
+        raise ValueError(f"Invalid seq_len: expected an even number >= 4, got {seq_len!r}")
+    if vocab_size < 2 or batch_size < 1:
+        raise ValueError(f"Invalid vocab_size/batch_size: got {vocab_size!r}, {batch_size!r}")
+    half = seq_len // 2
+    first = torch.randint(0, vocab_size, (batch_size, half), generator=generator)
+    seq = torch.cat([first, first], dim=1)
+    inputs, targets = seq[:, :-1], seq[:, 1:].clone()
+    targets[:, : half - 1] = IGNORE_INDEX
+    inputs = torch.cat([inputs, torch.zeros(batch_size, 1, dtype=torch.int64)], dim=1)
+    targets = torch.cat([targets, torch.full((batch_size, 1), IGNORE_INDEX)], dim=1)
+    return inputs.to(device), targets.to(device)
+
+
+def associative_recall(batch_size: int, n_pairs: int, vocab_size: int, *, generator: torch.Generator | None = None,
+                       device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Associative recall: ``k1 v1 k2 v2 ... kN vN q`` and the model must answer the value of key ``q``.
+
+    Keys are distinct tokens from the first half of the vocabulary, values from the second half.
+    Returns ``(inputs, targets)`` int64 ``(batch_size, 2 * n_pairs + 1)``; only the last position is
+    scored (its target is the queried value), every other target is :data:`IGNORE_INDEX`.
+
+    Raises:
+        ValueError: ``vocab_size < 4`` or fewer than ``n_pairs`` distinct keys available.
+    """
+    half = vocab_size // 2
+    if vocab_size < 4 or n_pairs < 1 or n_pairs > half:
+        raise ValueError(f"Invalid n_pairs/vocab_size: need 1 <= n_pairs <= vocab_size // 2, got {n_pairs!r}, "
+                         f"{vocab_size!r}")
+    keys = torch.rand(batch_size, half, generator=generator).argsort(dim=1)[:, :n_pairs]
+    values = half + torch.randint(0, vocab_size - half, (batch_size, n_pairs), generator=generator)
+    pick = torch.randint(0, n_pairs, (batch_size, 1), generator=generator)
+    seq = torch.stack([keys, values], dim=2).reshape(batch_size, 2 * n_pairs)
+    inputs = torch.cat([seq, keys.gather(1, pick)], dim=1)
+    targets = torch.full_like(inputs, IGNORE_INDEX)
+    targets[:, -1] = values.gather(1, pick).squeeze(1)
+    return inputs.to(device), targets.to(device)
+
+
+def markov_chain(vocab_size: int, *, concentration: float = 0.1, seed: int = 0) -> torch.Tensor:
+    """A random bigram "language": a row-stochastic ``(vocab_size, vocab_size)`` float64 transition matrix
+    drawn from a symmetric Dirichlet(``concentration``) per row (small values: peaky, low entropy)."""
+    gamma = torch.distributions.Gamma(torch.full((vocab_size,), float(concentration), dtype=torch.float64), 1.0)
+    with torch.random.fork_rng():  # torch.distributions samples from the global generator
+        torch.manual_seed(seed)
+        P = gamma.sample((vocab_size,)) + 1e-12
+    return P / P.sum(dim=1, keepdim=True)
+
+
+def sample_markov(P: torch.Tensor, batch_size: int, seq_len: int, *, generator: torch.Generator | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences from the chain ``P`` (uniform start); returns ``(inputs, targets)`` int64
+    ``(batch_size, seq_len)`` with next-token targets (every position scored). The best possible
+    loss is the chain's entropy rate, :func:`markov_entropy`."""
+    tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, P.shape[0], (batch_size,), generator=generator)
+    for t in range(seq_len):
+        tokens[:, t + 1] = torch.multinomial(P[tokens[:, t]], 1, generator=generator).squeeze(1)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def markov_entropy(P: torch.Tensor) -> float:
+    """Entropy rate (nats per token) of the chain ``P`` under its stationary distribution."""
+    evals, evecs = torch.linalg.eig(P.T)
+    pi = evecs[:, torch.argmin((evals - 1).abs())].real
+    pi = pi / pi.sum()
+    return float(-(pi[:, None] * P * P.clamp_min(1e-300).log()).sum())

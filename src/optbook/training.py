@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TrainLog", "train", "evaluate"]
+__all__ = ["TrainLog", "train", "evaluate", "SequenceLog", "train_sequence_model"]
 
 
 @dataclass
@@ -99,3 +99,59 @@ def evaluate(model: nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: Callab
     acc = float((out.argmax(-1) == y).double().mean()) if out.ndim == 2 else float("nan")
     model.train(was_training)
     return loss, acc
+
+
+@dataclass
+class SequenceLog:
+    """What :func:`train_sequence_model` recorded: ``losses`` (per step, before the step) and, for
+    models with ``max_logits()``, ``max_logits`` float32 ``(steps, n_layers, n_heads)`` -- the per-head
+    maximum attention logit of each step's forward, before any clipping -- and ``after_step``'s
+    return values in ``extras``."""
+
+    losses: list[float] = field(default_factory=list)
+    max_logits: torch.Tensor | None = None
+    extras: list = field(default_factory=list)
+
+
+def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sample: Callable, *, steps: int,
+                         scheduler=None, after_step: Callable | None = None, max_grad_norm: float | None = None
+                         ) -> SequenceLog:
+    """Train a next-token model on generated batches.
+
+    Args:
+        model: maps int64 ``(batch, seq)`` to logits ``(batch, seq, vocab)``.
+        optimizer: any optimizer over the model's parameters.
+        sample: ``sample(step) -> (inputs, targets)``; targets equal to -100 are ignored.
+        steps: number of steps, ``>= 1``.
+        scheduler: optional LR scheduler, stepped after each optimizer step.
+        after_step: optional ``after_step(step, model, optimizer)`` run after ``optimizer.step()``
+            (e.g. ``optbook.qk_clip_``); what it returns is kept in ``SequenceLog.extras``.
+        max_grad_norm: clip the global gradient norm before the step (``torch.nn.utils.clip_grad_norm_``).
+
+    Raises:
+        ValueError: ``steps < 1``.
+    """
+    if steps < 1:
+        raise ValueError(f"Invalid steps: expected >= 1, got {steps!r}")
+    log = SequenceLog()
+    maxima = []
+    model.train()
+    for step in range(steps):
+        inputs, targets = sample(step)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss.backward()
+        if hasattr(model, "max_logits"):
+            maxima.append(model.max_logits().clone())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if after_step is not None:
+            log.extras.append(after_step(step, model, optimizer))
+        log.losses.append(loss.item())
+    if maxima:
+        log.max_logits = torch.stack(maxima)
+    return log
