@@ -32,6 +32,7 @@ notebooks: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_adamw.py
+	$(BIN)/python benchmarks/bench_muon.py
 
 clean:
 	rm -rf _build .pytest_cache
