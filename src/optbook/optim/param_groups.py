@@ -13,6 +13,10 @@ Roles:
     ``"embedding"``  an embedding table (not decayed by default);
     ``"matrix"``     any other parameter with two or more dimensions (decayed);
     ``"vector"``     any other parameter with fewer than two dimensions: scales, gates (not decayed).
+
+A bare ``nn.Parameter`` with two or more dimensions on a module of unknown type (say a GPT-2-style
+position table stored as ``nn.Parameter(torch.zeros(T, d))``) is a ``"matrix"`` and is decayed: the
+rule cannot tell it is a table. Wrap such tables in ``nn.Embedding`` or build the groups by hand.
 """
 
 from __future__ import annotations
