@@ -123,3 +123,13 @@ def test_non_matrix_and_integer_input_is_refused():
 def test_explicit_schedules_cycle():
     assert ns_schedule("quintic", 7)[5] == ns_schedule("quintic", 5)[0]
     assert ns_schedule([(1, 2, 3), (4, 5, 6)], 3) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (1.0, 2.0, 3.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cubic_schedule_in_low_precision_stays_finite_and_converges(dtype):
+    # guards against torch's CPU baddbmm ignoring beta when alpha == 0 in bf16/fp16 (n >= 32)
+    G = torch.randn(48, 64)
+    out = newton_schulz(G, steps=16, coefficients="cubic", dtype=dtype).float()
+    assert torch.isfinite(out).all()
+    sv = torch.linalg.svdvals(out)
+    assert float(sv.min()) > 0.95 and float(sv.max()) < 1.05

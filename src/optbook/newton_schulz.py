@@ -101,7 +101,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     for a, b, c in schedule:
         A = X @ X.mT
         # fused multiply-adds: one rounding each, which matters in bf16 (b A and c A^2 nearly cancel)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)   # b A + c A^2
+        # (c == 0, the cubic: torch 2.13's CPU baddbmm with alpha=0 ignores beta in bf16/fp16 for n >= 32)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
         X = torch.baddbmm(X, B, X, beta=a)            # a X + B X
     X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if tall:
