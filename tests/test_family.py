@@ -199,3 +199,19 @@ def test_shampoo_and_soap_refuse_non_matrices(cls, shape):
 def test_bad_hyperparameters(cls, kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):
         cls([torch.zeros(3, 3, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.parametrize("cls", [Shampoo, SOAP])
+def test_shampoo_and_soap_refuse_non_finite_gradients_before_any_change(cls):
+    W = torch.randn(4, 3, requires_grad=True)
+    opt = cls([W])
+    step(opt, W, torch.randn(4, 3))
+    before, state = W.detach().clone(), copy.deepcopy(opt.state_dict())
+    bad = torch.randn(4, 3)
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="Non-finite gradient"):
+        step(opt, W, bad)
+    assert torch.equal(W.detach(), before)
+    for k, v in state["state"][0].items():
+        now = opt.state_dict()["state"][0][k]
+        assert torch.equal(now, v) if torch.is_tensor(v) else now == v

@@ -105,6 +105,8 @@ class Muon(BookOptimizer):
             chapter 11). TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    refuse_nonfinite_grads = True
+
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
@@ -138,15 +140,6 @@ class Muon(BookOptimizer):
         muon_scale((1, 1), group["scale_mode"])
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
-
-    def _validate(self) -> None:
-        super()._validate()
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    raise ValueError(f"Non-finite gradient in param_groups[{gi}]['params'][{pi}] "
-                                     f"(shape {tuple(p.shape)}): skip this step (see the loss scaler, "
-                                     "chapter 11); nothing was changed")
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

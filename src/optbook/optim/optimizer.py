@@ -37,13 +37,22 @@ class BookOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    #: Refuse non-finite gradients before any write (one reduction per tensor). Set by optimizers whose
+    #: state a NaN would poison for good (Muon's normalisation, Shampoo's and SOAP's factors).
+    refuse_nonfinite_grads = False
+
     def _validate(self) -> None:
         """Check every group's hyperparameters and every gradient; raise before any write."""
         for gi, group in enumerate(self.param_groups):
             self._check_hyperparameters(group)
             for pi, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    check_grad(p, f"param_groups[{gi}]['params'][{pi}]")
+                if p.grad is None:
+                    continue
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                check_grad(p, where)
+                if self.refuse_nonfinite_grads and not bool(torch.isfinite(p.grad).all()):
+                    raise ValueError(f"Non-finite gradient in {where} (shape {tuple(p.shape)}): skip this step "
+                                     "(see the loss scaler); nothing was changed")
 
     @torch.no_grad()
     def step(self, closure=None):

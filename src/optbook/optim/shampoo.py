@@ -52,9 +52,12 @@ class Shampoo(BookOptimizer):
     ``momentum_buffer`` when ``momentum > 0``.
 
     Raises:
-        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters.
+        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
+            non-finite gradient (before anything changes).
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
+
+    refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,
                  precondition_frequency: int = 1, weight_decay: float = 0.0):
