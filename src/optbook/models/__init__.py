@@ -1,6 +1,6 @@
 """Small models for the book's experiments (PyTorch layout: ``Linear.weight`` is ``(out, in)``)."""
 
 from .mlp import MLP, LogisticRegression
-from .transformer import CausalSelfAttention, TinyTransformer
+from .transformer import CausalSelfAttention, MultiHeadLatentAttention, TinyTransformer
 
-__all__ = ["CausalSelfAttention", "LogisticRegression", "MLP", "TinyTransformer"]
+__all__ = ["CausalSelfAttention", "LogisticRegression", "MLP", "MultiHeadLatentAttention", "TinyTransformer"]
