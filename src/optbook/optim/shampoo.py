@@ -26,6 +26,13 @@ from .optimizer import BookOptimizer
 __all__ = ["Shampoo", "inverse_root"]
 
 
+def check_precondition_frequency(f) -> int:
+    """``precondition_frequency`` must be an int >= 1 (shared by Shampoo and SOAP)."""
+    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+    return f
+
+
 def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
     """``A^(-1/p)`` of a symmetric positive-definite matrix via ``eigh`` in float64; A's dtype back.
 
@@ -79,9 +86,7 @@ class Shampoo(BookOptimizer):
         check_number("beta2", group["beta2"], low=0.0, high=1.0)
         check_number("eps", group["eps"], low=0.0, low_open=True)
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
-        f = group["precondition_frequency"]
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+        check_precondition_frequency(group["precondition_frequency"])
         check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:

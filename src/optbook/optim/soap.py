@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from ._validation import check_betas, check_eps, check_number
-from .shampoo import Shampoo
+from ._validation import check_betas, check_eps, check_lr, check_number, check_weight_decay
+from .shampoo import Shampoo, check_precondition_frequency
 
 __all__ = ["SOAP"]
 
@@ -57,14 +57,12 @@ class SOAP(Shampoo):
                                                    weight_decay=weight_decay))
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_number("lr", group["lr"], low=0.0)
+        check_lr(group["lr"])
         check_betas(group["betas"])
         check_number("shampoo_beta", group["shampoo_beta"], low=0.0, high=1.0, high_open=True)
         check_eps(group["eps"])
-        f = group["precondition_frequency"]
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-            raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
-        check_number("weight_decay", group["weight_decay"], low=0.0)
+        check_precondition_frequency(group["precondition_frequency"])
+        check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:
         lr, eps, sb = group["lr"], group["eps"], group["shampoo_beta"]
