@@ -19,7 +19,6 @@ step computes the basis from the first gradient before using it.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
