@@ -19,7 +19,6 @@ step computes the basis from the first gradient before using it.
 
 from __future__ import annotations
 
-
 import torch
 
 from ._validation import check_betas, check_eps, check_lr, check_number, check_weight_decay
