@@ -1,15 +1,25 @@
-# The two commands of the README: `make book` (set up + build the executed book) and `make test`.
+# The two commands of the README: `make book` (set up + build the book) and `make test`.
 # Both create .venv on first use and are safe to re-run.
-PYTHON ?= python3
-VENV   ?= .venv
-TORCH  ?= torch==2.13.0
-BIN    := $(VENV)/bin
-NB     ?= book/*.ipynb
+PYTHON  ?= python3
+VENV    ?= .venv
+TORCH   ?= torch==2.13.0
+BIN     := $(VENV)/bin
+NB      ?= book/*.ipynb
+# Parallel pytest workers (pytest-xdist); every notebook runs whole on one worker.
+JOBS    ?= 2
+# `make book EXECUTE=force` re-executes every notebook while building (default: build from stored outputs).
+EXECUTE ?= off
+# CPU kernel configurations for `make nbval KERNELS=...` (see "Exact and measured outputs" in the README).
+KERNELS ?= native
+KERNELS_native  :=
+KERNELS_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
+KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR=COMPATIBLE
 # Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed 2-core machine spinning
 # threads made the notebooks' many small ops 100x slower. Results are unchanged (it is a wait policy).
-RUN    := OMP_WAIT_POLICY=PASSIVE
+RUN     := OMP_WAIT_POLICY=PASSIVE
+PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup book test notebooks bench clean
+.PHONY: setup book test nbval portability notebooks bench sweep clean
 
 setup: $(VENV)/.installed
 
@@ -20,18 +30,35 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $@
 
-# Executes every notebook listed in _toc.yml; any cell error or Sphinx warning fails the build.
+# Builds the HTML from the notebooks' stored outputs (fast; no kernel difference can fail it). Any Sphinx
+# warning fails the build. EXECUTE=force re-executes every notebook first (a cell error fails the build).
 book: setup
-	$(RUN) $(BIN)/jupyter-book build . --warningiserror --keep-going
+	mkdir -p _build
+	sed 's/^\(  execute_notebooks:\).*/\1 "$(EXECUTE)"/' _config.yml > _build/_config.yml
+	$(RUN) $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
 
-# Unit tests (tests/) and nbval over every notebook (book/); settings in pyproject.toml.
+# Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
-	$(RUN) $(BIN)/python -m pytest
+	$(RUN) $(PYTEST)
+
+# nbval alone, under one CPU kernel configuration: make nbval KERNELS=native|avx2|generic
+nbval: setup
+	$(RUN) $(KERNELS_$(KERNELS)) $(PYTEST) book
+
+# The portability check: nbval under all three kernel configurations, one after the other.
+portability: setup
+	$(MAKE) nbval KERNELS=native
+	$(MAKE) nbval KERNELS=avx2
+	$(MAKE) nbval KERNELS=generic
 
 # Re-execute notebooks in place so their stored outputs become the new reference (NB=book/02_adam.ipynb).
 notebooks: setup
 	$(RUN) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	  --ExecutePreprocessor.timeout=300 --ExecutePreprocessor.record_timing=False $(NB)
+	  --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.record_timing=False $(NB)
+
+# Re-run the seed and kernel sweep behind the measured claims (hours on 2 cores; not part of `test`).
+sweep: setup
+	$(BIN)/python sweeps/run.py $(NB)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_adamw.py

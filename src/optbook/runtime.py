@@ -1,29 +1,87 @@
-"""Seeds, threads and device choice for reproducible notebooks. Explained in the Preface.
+"""Seeds, threads, device choice and asserted claims for reproducible notebooks. Explained in the Preface.
 
-CPU results can differ in the last bits across instruction sets (AVX2 vs AVX-512) and thread
-counts; fixing the seed and the thread count makes a run repeatable on one machine, and the book only
-prints summaries that hold across machines.
+A notebook's printed output is of two kinds. **Exact** results (float64 algebra, closed forms,
+identities, configuration tables) are the same on every machine; nbval compares them. **Measured**
+results (training trajectories, bf16/fp16 arithmetic) differ in their last bits between processors,
+vector instruction sets, thread counts, PyTorch versions and GPUs, and those bits grow over a
+trajectory. A measured number is shown in a cell that nbval does not compare (``# NBVAL_IGNORE_OUTPUT``)
+and the claim made about it goes through :func:`claim`, whose bound was set by a sweep over seeds and
+CPU kernel configurations (``sweeps/README.md`` in the repository lists every bound with the worst
+value the sweep saw).
+
+The sweep drives a notebook through three environment variables:
+
+``OPTBOOK_SEED_OFFSET``
+    an integer added to every seed that goes through :func:`seed_everything`, :func:`seeds` and
+    :func:`generator`, so the same notebook runs on fresh seeds (default 0: the notebook's own seeds);
+``OPTBOOK_CLAIMS_LOG``
+    a file path: every :func:`claim` appends one JSON line (notebook, claim, value, bound) to it and
+    does not raise when the claim fails, so one run records every claim;
+``OPTBOOK_NOTEBOOK``, ``OPTBOOK_KERNELS``
+    labels written into those lines.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import operator
+import os
 import random
 
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "default_device"]
+__all__ = ["seed_everything", "seed_offset", "seeds", "generator", "default_device", "claim", "glue"]
+
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
+
+
+def seed_offset() -> int:
+    """The sweep's seed offset, ``int(os.environ["OPTBOOK_SEED_OFFSET"])``, or 0 when unset.
+
+    Raises:
+        ValueError: the variable is set but is not a non-negative integer.
+    """
+    raw = os.environ.get("OPTBOOK_SEED_OFFSET", "0").strip() or "0"
+    try:
+        offset = int(raw)
+    except ValueError:
+        raise ValueError(f"Invalid OPTBOOK_SEED_OFFSET: expected a non-negative integer, got {raw!r}") from None
+    if offset < 0:
+        raise ValueError(f"Invalid OPTBOOK_SEED_OFFSET: expected a non-negative integer, got {raw!r}")
+    return offset
+
+
+def seeds(*base: int) -> tuple[int, ...]:
+    """The notebook's seeds ``base``, each shifted by :func:`seed_offset` (unchanged outside a sweep).
+
+    Raises:
+        ValueError: a seed is not a non-negative int.
+    """
+    for s in base:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"Invalid seed: expected a non-negative int, got {s!r}")
+    offset = seed_offset()
+    return tuple(s + offset for s in base)
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed`` shifted by :func:`seed_offset`."""
+    return torch.Generator().manual_seed(seeds(seed)[0])
 
 
 def seed_everything(seed: int = 0, *, num_threads: int | None = 2) -> torch.Generator:
     """Seed Python, NumPy and PyTorch (CPU and CUDA) and fix PyTorch's CPU thread count.
+
+    The seed is shifted by :func:`seed_offset` (0 unless a sweep sets ``OPTBOOK_SEED_OFFSET``).
 
     Args:
         seed: non-negative integer.
         num_threads: intra-op CPU threads (``None`` leaves PyTorch's choice).
 
     Returns:
-        A ``torch.Generator`` seeded with ``seed``, for code that takes an explicit generator.
+        A CPU ``torch.Generator`` seeded with the (shifted) seed, for code that takes an explicit generator.
 
     Raises:
         ValueError: ``seed`` is negative or ``num_threads < 1``.
@@ -34,8 +92,9 @@ def seed_everything(seed: int = 0, *, num_threads: int | None = 2) -> torch.Gene
         if num_threads < 1:
             raise ValueError(f"Invalid num_threads: expected >= 1 or None, got {num_threads!r}")
         torch.set_num_threads(num_threads)
+    (seed,) = seeds(seed)
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return torch.Generator().manual_seed(seed)
 
@@ -43,3 +102,65 @@ def seed_everything(seed: int = 0, *, num_threads: int | None = 2) -> torch.Gene
 def default_device() -> torch.device:
     """``cuda`` when a GPU is visible, else ``cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def claim(name: str, value, op: str, bound: float) -> float:
+    """Assert a measured claim ``value <op> bound`` (``op`` one of ``<``, ``<=``, ``>``, ``>=``, ``==``).
+
+    Use it for every claim about a number that comes from a training run or from low-precision
+    arithmetic; the bound must come from the sweep in ``sweeps/`` (worst value seen, plus a margin).
+    Outside a sweep a failed claim raises ``AssertionError`` naming the claim, the value and the bound.
+    Inside a sweep (``OPTBOOK_CLAIMS_LOG`` set) the claim is appended to that file as one JSON line and
+    nothing is raised.
+
+    Args:
+        name: a short, stable description; it keys the sweep table, so keep it unique per notebook.
+        value: a real number (Python number, NumPy scalar or one-element tensor); ``bool`` counts as 0/1.
+        op: the comparison.
+        bound: the threshold (a finite real number).
+
+    Returns:
+        ``value`` as a Python float.
+
+    Raises:
+        ValueError: ``op`` is unknown, or ``value``/``bound`` is not a real number, or ``bound`` is not finite.
+        AssertionError: the claim fails (outside a sweep); a NaN value always fails.
+    """
+    if op not in _OPS:
+        raise ValueError(f"Invalid op: expected one of {sorted(_OPS)}, got {op!r}")
+    try:
+        x = float(value.item() if isinstance(value, torch.Tensor) else value)
+        b = float(bound)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"Invalid claim {name!r}: value and bound must be real numbers, got {value!r}, {bound!r}") from None
+    if not math.isfinite(b):
+        raise ValueError(f"Invalid bound for claim {name!r}: expected a finite number, got {bound!r}")
+    holds = bool(_OPS[op](x, b))          # NaN compares False: a NaN value never holds
+    log = os.environ.get("OPTBOOK_CLAIMS_LOG")
+    if log:
+        record = {"notebook": os.environ.get("OPTBOOK_NOTEBOOK", ""), "kernels": os.environ.get("OPTBOOK_KERNELS", ""),
+                  "seed_offset": seed_offset(), "claim": name, "value": x, "op": op, "bound": b, "holds": holds}
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        return x
+    assert holds, f"claim failed: {name}: {x!r} {op} {b!r} does not hold"
+    return x
+
+
+def glue(name: str, value, *, display: bool = False):
+    """Make ``value`` available to the chapter's prose as ``{glue:text}`name:format```` (myst-nb).
+
+    Numbers quoted in the text that come from a run are glued, so the page shows what was executed.
+    Calls :func:`myst_nb.glue` when myst-nb is installed (as it is for the book build) and does nothing
+    otherwise (for example on Colab, where the prose is static anyway). Glue from a cell marked
+    ``# NBVAL_IGNORE_OUTPUT`` when the value comes from a trajectory.
+
+    Returns:
+        ``value`` unchanged.
+    """
+    try:
+        from myst_nb import glue as _glue
+    except ImportError:  # pragma: no cover - only without myst-nb
+        return value
+    _glue(name, value, display=display)
+    return value
