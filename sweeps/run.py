@@ -13,7 +13,10 @@ claim -> bound -> the notebook's own value -> the worst value seen per configura
 
 Defaults: 10 fresh seed offsets natively and 3 of them under each of AVX2 and generic kernels, plus
 the notebook's own seeds natively (offset 0), two notebooks at a time. Not part of the test command:
-a full sweep takes hours on two cores. Re-running a notebook replaces its earlier records.
+a full sweep takes hours on two cores. A run replaces the earlier records of the same notebook, kernel
+configuration and seed offset and keeps the others, so after changing only a bound, re-running the
+notebook's own seeds (`--native 0 --avx2 0 --generic 0`) updates the table: its bounds and its list of
+claims are those of the latest run, and every recorded value is checked against them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def run_one(nb: Path, kernels: str, k: int, timeout: int) -> list[dict]:
         seconds = time.perf_counter() - start
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         base = {"notebook": nb.stem, "kernels": kernels, "seed_offset": k * OFFSET_STEP}
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         if proc.returncode != 0 or not out.exists():
             records.append({**base, "error": f"nbconvert failed: {proc.stderr.strip()[-300:]}"})
         else:
@@ -63,7 +67,7 @@ def run_one(nb: Path, kernels: str, k: int, timeout: int) -> list[dict]:
                     if o["output_type"] == "error":
                         records.append({**base, "error": f"code cell {i}: {o['ename']}: {o['evalue'][:200]}"})
         records.append({**base, "seconds": round(seconds, 1)})
-        return records
+        return [{**r, "run_at": stamp} for r in records]
 
 
 def sweep(notebooks: list[Path], native: int, avx2: int, generic: int, jobs: int, timeout: int) -> None:
@@ -82,7 +86,17 @@ def sweep(notebooks: list[Path], native: int, avx2: int, generic: int, jobs: int
                   f"{len(bad)} failing", flush=True)
     DATA.mkdir(parents=True, exist_ok=True)
     for nb, recs in results.items():
-        (DATA / f"{nb.stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        path = DATA / f"{nb.stem}.jsonl"
+        rerun = {(r["kernels"], r["seed_offset"]) for r in recs}
+        old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        keep = [r for r in old if (r["kernels"], r["seed_offset"]) not in rerun]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep + recs))
+
+
+def holds(value: float, op: str, bound: float) -> bool:
+    """Whether a recorded value satisfies ``op bound`` (NaN never does), as optbook.runtime.claim decides."""
+    return {"<": value < bound, "<=": value <= bound, ">": value > bound, ">=": value >= bound,
+            "==": value == bound}[op]
 
 
 def _worst(values: list[float], op: str) -> float:
@@ -93,7 +107,8 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def write_table() -> None:
+def render_table() -> str:
+    """The text of sweeps/README.md, from the records in sweeps/data."""
     lines = [
         "# Sweep of the book's measured claims",
         "",
@@ -109,9 +124,10 @@ def write_table() -> None:
         "",
         "Columns: the claim as asserted; the notebook's own value (its own seeds, native kernels); the worst",
         "value seen over the fresh seeds per configuration (the minimum for a lower bound, the maximum for",
-        "an upper bound); `fails` counts runs in which the claim did not hold (it must be 0: a bound is set",
-        "with a margin over the worst value seen). Errors list cells that raised in some run (a plain",
-        "`assert` that depends on the seed, for example); there must be none.",
+        "an upper bound); `fails` counts runs whose value does not meet the current bound (it must be 0: a",
+        "bound is set with a margin over the worst value seen). The bounds and the list of claims are those of",
+        "the notebook's latest run. Errors list cells that raised in some run (a plain `assert` that depends",
+        "on the seed, for example); there must be none.",
         "",
     ]
     for path in sorted(DATA.glob("*.jsonl")):
@@ -123,16 +139,16 @@ def write_table() -> None:
         lines += [f"## {path.stem}", "", f"Runs: {counts}.", ""]
         lines += ["| claim | bound | own value | worst native | worst avx2 | worst generic | fails |",
                   "|---|---|---|---|---|---|---|"]
-        names = list(dict.fromkeys(r["claim"] for r in claims))
-        for name in names:
+        latest = max((r.get("run_at", "") for r in recs), default="")
+        current = {r["claim"]: (r["op"], r["bound"]) for r in claims if r.get("run_at", "") == latest}
+        for name, (op, bound) in current.items():
             rs = [r for r in claims if r["claim"] == name]
-            op, bound = rs[-1]["op"], rs[-1]["bound"]
             own = [r["value"] for r in rs if r["kernels"] == "native" and r["seed_offset"] == 0]
             cols = []
             for kern in KERNELS:
                 vals = [r["value"] for r in rs if r["kernels"] == kern and r["seed_offset"] != 0]
                 cols.append(f"{_fmt(_worst(vals, op))} ({len(vals)})" if vals else "–")
-            fails = sum(not r["holds"] for r in rs)
+            fails = sum(not holds(r["value"], op, bound) for r in rs)
             cell = name.replace("|", "\\|")
             lines.append(f"| {cell} | {op} {_fmt(bound)} | {_fmt(own[0]) if own else '–'} | "
                          + " | ".join(cols) + f" | {fails} |")
@@ -141,7 +157,11 @@ def write_table() -> None:
             lines += ["", "Errors:", ""]
             lines += [f"- {r['kernels']} offset {r['seed_offset']}: {r['error']}" for r in errors]
         lines += ["", f"({len(runs)} runs.)", ""]
-    TABLE.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_table() -> None:
+    TABLE.write_text(render_table())
     print(f"wrote {TABLE.relative_to(ROOT)}")
 
 

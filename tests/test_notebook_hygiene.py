@@ -42,3 +42,63 @@ def test_notebook_is_executed_in_order_and_clean(path):
                 for k, v in out.get("data", {}).items() if k.startswith("text/"))
             assert not MACHINE.search(text), f"cell {i} output holds a machine-specific string"
     assert asserts > 0, "a notebook that asserts nothing checks nothing"
+
+
+# --- Exact and measured outputs (README, "the book on every machine") --------------------------------
+
+SWEEP_DATA = ROOT / "sweeps" / "data"
+CLAIM_NAME = re.compile(r"\bclaim\(\s*\"([^\"{}]+)\"")
+
+
+def _code(path):
+    nb = json.loads(path.read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def _sweep():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_run", ROOT / "sweeps" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_seed_goes_through_the_runtime_and_one_thread_is_used(path):
+    code = "\n".join(_code(path))
+    assert re.search(r"seed_everything\(\s*\d+\s*,\s*num_threads=1\s*\)", code), "seed with seed_everything(s, num_threads=1)"
+    assert "Generator().manual_seed(" not in code, "use optbook.runtime.generator(k), which a sweep can shift"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_measured_claims_sit_in_cells_that_nbval_does_not_compare(path):
+    for i, source in enumerate(_code(path), start=1):
+        if re.search(r"\bclaim\(", source):
+            assert "NBVAL_IGNORE_OUTPUT" in source, f"code cell {i} asserts a measured claim but its output is compared"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
+    names = set(CLAIM_NAME.findall("\n".join(_code(path))))
+    if not any(re.search(r"\bclaim\(", s) for s in _code(path)):
+        return
+    data = SWEEP_DATA / f"{path.stem}.jsonl"
+    assert data.is_file(), f"no sweep for {path.name}: run python sweeps/run.py {path.relative_to(ROOT)}"
+    sweep = _sweep()
+    recs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    assert not [r for r in recs if "error" in r], "a sweep run raised; see sweeps/README.md"
+    latest = max(r["run_at"] for r in recs)
+    current = {r["claim"]: (r["op"], r["bound"]) for r in recs if "claim" in r and r["run_at"] == latest}
+    assert names <= set(current), f"claims never swept: {sorted(names - set(current))}"
+    for r in recs:
+        if r.get("claim") in current:
+            op, bound = current[r["claim"]]
+            assert sweep.holds(r["value"], op, bound), (r["claim"], r["kernels"], r["seed_offset"], r["value"], op, bound)
+    runs = {(r["kernels"], r["seed_offset"]) for r in recs if "seconds" in r}
+    for kernels in ("native", "avx2", "generic"):
+        assert any(k == kernels and off > 0 for k, off in runs), f"no fresh-seed run under the {kernels} kernels"
+
+
+def test_the_sweep_table_is_what_the_sweep_data_says():
+    assert (ROOT / "sweeps" / "README.md").read_text() == _sweep().render_table()
