@@ -112,3 +112,18 @@ def test_tensor_lr_follows_a_torch_scheduler():
 def test_bad_tensor_lr_is_refused_in_the_constructor(name, lr):
     with pytest.raises((TypeError, ValueError), match="lr"):
         make(name, matrices(), lr=lr)
+
+
+# ---------------------------------------------------------------- zero-element parameters
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_zero_element_parameter_is_skipped_and_the_others_are_stepped(name, foreach):
+    empty, full = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True), matrices(shapes=((4, 3),))[0]
+    alone = full.detach().clone().requires_grad_()
+    opt = make(name, [empty, full], foreach)
+    ref = make(name, [alone], foreach)
+    drive(opt, [empty, full], 3)
+    drive(ref, [alone], 3)
+    assert torch.equal(full, alone)
+    assert empty.shape == (0, 3) and len(opt.state[empty]) == 0
+    assert_bitwise_equal(opt.state_dict()["state"][1], ref.state_dict()["state"][0])

@@ -8,7 +8,9 @@ It adds exactly two things to :class:`torch.optim.Optimizer`:
 * ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
 * a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
-  (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it.
+  (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it;
+* a parameter with zero elements (e.g. shape ``(0, 3)``) is skipped: it has nothing to update, gets no
+  state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape.
 
 Subclasses implement ``_check_hyperparameters(group)`` and ``_step_group(group)``.
 Explained in chapter 1 (SGD and momentum).
@@ -80,5 +82,7 @@ class BookOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if isinstance(group["lr"], torch.Tensor):  # validated: one real element
                 group = {**group, "lr": float(group["lr"])}
+            if any(p.numel() == 0 for p in group["params"]):
+                group = {**group, "params": [p for p in group["params"] if p.numel()]}
             self._step_group(group)
         return loss
