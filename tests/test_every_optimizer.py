@@ -127,3 +127,76 @@ def test_a_zero_element_parameter_is_skipped_and_the_others_are_stepped(name, fo
     assert torch.equal(full, alone)
     assert empty.shape == (0, 3) and len(opt.state[empty]) == 0
     assert_bitwise_equal(opt.state_dict()["state"][1], ref.state_dict()["state"][0])
+
+
+# ---------------------------------------------------------------- validation before any write
+
+COMMON_BAD = [("lr", -0.5, "lr"), ("lr", float("nan"), "lr"), ("lr", torch.tensor([0.1, 0.2]), "lr"),
+              ("weight_decay", -1.0, "weight_decay")]
+BAD_EDITS = {
+    "SGD": [("momentum", 1.0, "momentum"), ("nesterov", "yes", "nesterov"), ("foreach", "yes", "foreach")],
+    "Adam": [("betas", (0.9, 1.0), "betas"), ("eps", 0.0, "eps"), ("foreach", 1, "foreach")],
+    "AdamW": [("betas", 0.9, "betas"), ("eps", -1.0, "eps"), ("foreach", "no", "foreach")],
+    "Lion": [("betas", (1.0, 0.9), "betas")],
+    "Adafactor": [("beta2_decay", 0.5, "beta2_decay"), ("d", 0.0, "d"), ("eps", (None, -1.0), "eps")],
+    "Shampoo": [("beta2", 1.5, "beta2"), ("precondition_frequency", 0, "precondition_frequency"),
+                ("momentum", 1.0, "momentum"), ("eps", 0.0, "eps")],
+    "SOAP": [("shampoo_beta", 1.0, "shampoo_beta"), ("betas", (0.9, 2.0), "betas"),
+             ("precondition_frequency", 0.5, "precondition_frequency")],
+    "Muon": [("head_split", 3, "head_split"), ("head_split", (2, 1), "head_split"), ("head_split", "x", "head_split"),
+             ("ns_dtype", torch.int32, "ns_dtype"), ("ns_dtype", "bf16", "ns_dtype"), ("ns_steps", 0, "steps"),
+             ("coefficients", "nope", "coefficients"), ("scale_mode", "big", "scale_mode"), ("eps", 0.0, "eps"),
+             ("momentum", -0.1, "momentum"), ("nesterov", 1, "nesterov")],
+}
+EDITS = [(name, *edit) for name in FACTORIES for edit in COMMON_BAD + BAD_EDITS[name]]
+
+
+@pytest.mark.parametrize("name, field, value, word", EDITS,
+                         ids=[f"{n}-{f}={v!r}" for n, f, v, _ in EDITS])
+def test_a_bad_value_written_into_a_group_raises_before_any_change(name, field, value, word):
+    # group 0 would be stepped first: the check of group 1 must come before any write
+    params = matrices(shapes=((4, 3), (4, 3)))
+    opt = make(name, [{"params": [params[0]]}, {"params": [params[1]]}])
+    drive(opt, params, 2)
+    snap = snapshot(opt, params)
+    good = opt.param_groups[1][field]
+    opt.param_groups[1][field] = value  # e.g. a buggy scheduler or a hand edit
+    with pytest.raises((ValueError, TypeError), match=word):
+        opt.step()
+    opt.param_groups[1][field] = good
+    assert_unchanged(opt, params, snap)
+
+
+def test_editing_head_split_to_a_non_divisor_raises_before_the_momentum_buffer_is_written():
+    W = matrices(shapes=((6, 4),))[0]
+    opt = Muon([{"params": [W], "head_split": 3}], lr=0.02)
+    drive(opt, [W], 1)
+    snap = snapshot(opt, [W])
+    opt.param_groups[0]["head_split"] = 4
+    with pytest.raises(ValueError, match="head_split: 4 heads do not divide the 6 rows"):
+        opt.step()
+    opt.param_groups[0]["head_split"] = 3
+    assert_unchanged(opt, [W], snap)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_muon_refuses_a_non_floating_ns_dtype(ns_dtype):
+    with pytest.raises(TypeError, match="ns_dtype"):
+        Muon(matrices(), ns_dtype=ns_dtype)
+
+
+def test_shampoo_momentum_switched_on_mid_run_starts_its_buffer_at_zero():
+    W = matrices(shapes=((4, 3),))[0]
+    opt = Shampoo([W], lr=0.1, momentum=0.0, weight_decay=0.1)
+    drive(opt, [W], 2)
+    assert "momentum_buffer" not in opt.state[W]
+    opt.param_groups[0]["momentum"] = 0.5
+    before = W.detach().clone()
+    G = torch.randn(4, 3, dtype=torch.float64)
+    W.grad = G.clone()
+    opt.step()
+    st = opt.state[W]
+    assert st["step"] == 3
+    U = st["L_inv_root"] @ G @ st["R_inv_root"]
+    assert torch.equal(st["momentum_buffer"], torch.zeros_like(U).lerp_(U, 0.5))  # lerp from zero: 0.5 U
+    assert torch.equal(W.detach(), before.mul(1 - 0.1 * 0.1).sub_(st["momentum_buffer"], alpha=0.1))

@@ -73,6 +73,24 @@ def check_betas(betas) -> tuple[float, float]:
             check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True))
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a ``bool``.
+
+    Raises:
+        TypeError: naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: expected a bool, got {value!r}")
+    return value
+
+
+def check_foreach(foreach) -> bool | None:
+    """``foreach`` must be ``None`` (choose by device), ``True`` or ``False``."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"Invalid foreach: expected None, True or False, got {foreach!r}")
+    return foreach
+
+
 def check_params(params: Iterable[torch.Tensor]) -> None:
     """Every parameter must be a real floating-point tensor (not integer, bool or complex).
 

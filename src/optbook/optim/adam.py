@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ._validation import check_betas, check_eps, check_lr, check_weight_decay
+from ._validation import check_betas, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Adam", "AdamW", "adam"]
@@ -95,6 +95,7 @@ class _AdamBase(BookOptimizer):
         check_betas(group["betas"])
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
+        check_foreach(group["foreach"])
 
     def _step_group(self, group: dict) -> None:
         params, exp_avgs, exp_avg_sqs, steps = [], [], [], []
@@ -136,7 +137,8 @@ _ARGS_DOC = """
     Raises:
         ValueError: ``lr < 0``, a beta outside ``[0, 1)``, ``eps <= 0``, ``weight_decay < 0``,
             non-finite values; a gradient of another shape or device.
-        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
+            ``foreach`` not ``None``/``True``/``False``.
 """
 
 

@@ -34,6 +34,8 @@ from .optimizer import BookOptimizer
 __all__ = ["Muon", "SCALE_MODES", "muon_scale", "split_rows"]
 
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
+#: The dtypes Newton–Schulz may iterate in.
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
@@ -67,6 +69,7 @@ def split_rows(rows: int, head_split) -> list[int]:
 
     Raises:
         ValueError: the blocks do not tile the rows exactly.
+        TypeError: ``head_split`` is neither ``None``, an int nor a sequence of integers.
     """
     if head_split is None:
         return [rows]
@@ -74,7 +77,11 @@ def split_rows(rows: int, head_split) -> list[int]:
         if head_split < 1 or rows % head_split:
             raise ValueError(f"Invalid head_split: {head_split} heads do not divide the {rows} rows")
         return [rows // head_split] * head_split
-    sizes = [int(s) for s in head_split]
+    try:
+        sizes = [int(s) for s in head_split]
+    except (TypeError, ValueError):
+        raise TypeError(f"Invalid head_split: expected None, an int or a sequence of row counts, "
+                        f"got {head_split!r}") from None
     if any(s < 1 for s in sizes) or sum(sizes) != rows:
         raise ValueError(f"Invalid head_split: block sizes {sizes} must be positive and sum to the {rows} rows")
     return sizes
@@ -92,7 +99,7 @@ class Muon(BookOptimizer):
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
         eps: Newton–Schulz normaliser floor ``> 0``.
-        ns_dtype: dtype of the iteration (bf16 by default).
+        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
         head_split: per-group row split before orthogonalisation (:func:`split_rows`).
 
     Blocks of equal shape across the group are orthogonalised in one batched call.
@@ -101,8 +108,9 @@ class Muon(BookOptimizer):
     Raises:
         ValueError: a parameter that is not 2-D (the message names its shape and points to
             ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
-            rows, or a non-finite gradient (raised before anything changes: skip such a step,
-            chapter 11). TypeError: as for every optimizer of :mod:`optbook.optim`.
+            rows (also when a group's ``head_split`` is edited later: checked at every step), or a
+            non-finite gradient (raised before anything changes: skip such a step, chapter 11).
+        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
     refuse_nonfinite_grads = True
@@ -140,6 +148,12 @@ class Muon(BookOptimizer):
         muon_scale((1, 1), group["scale_mode"])
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        if group["ns_dtype"] not in NS_DTYPES:
+            raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
+                            f"supports), got {group['ns_dtype']!r}")
+        for p in group["params"]:  # head_split may have been edited since the group was added
+            if isinstance(p, torch.Tensor) and p.ndim == 2:
+                split_rows(p.shape[0], group["head_split"])
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

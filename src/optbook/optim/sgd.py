@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_lr, check_momentum, check_weight_decay
+from ._validation import check_foreach, check_lr, check_momentum, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["SGD", "sgd"]
@@ -82,7 +82,8 @@ class SGD(BookOptimizer):
     Raises:
         ValueError: ``lr < 0``, ``momentum`` outside ``[0, 1)``, ``weight_decay < 0``, non-finite
             values; a gradient of another shape or device.
-        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
+            ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
@@ -97,6 +98,7 @@ class SGD(BookOptimizer):
         check_weight_decay(group["weight_decay"])
         if not isinstance(group["nesterov"], bool):
             raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        check_foreach(group["foreach"])
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

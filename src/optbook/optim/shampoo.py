@@ -51,7 +51,8 @@ class Shampoo(BookOptimizer):
         lr: learning rate ``>= 0``.
         beta2: preconditioner accumulation in ``[0, 1]``: 1 sums (paper), 0 keeps no history.
         eps: initial diagonal ``eps * I`` of ``L`` and ``R`` (and the ridge without history), ``> 0``.
-        momentum: EMA momentum on the preconditioned update, in ``[0, 1)``.
+        momentum: EMA momentum on the preconditioned update, in ``[0, 1)``; a group may switch it
+            on mid-run (the buffer then starts at zero).
         precondition_frequency: recompute the inverse roots every this many steps (``>= 1``).
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
 
@@ -114,5 +115,7 @@ class Shampoo(BookOptimizer):
                 state["L_inv_root"], state["R_inv_root"] = inverse_root(L), inverse_root(R)
             update = state["L_inv_root"] @ G @ state["R_inv_root"]
             if group["momentum"]:
+                if "momentum_buffer" not in state:  # momentum switched on mid-run: the EMA starts at zero
+                    state["momentum_buffer"] = torch.zeros_like(p)
                 update = state["momentum_buffer"].lerp_(update, 1 - group["momentum"])
             p.mul_(1 - lr * group["weight_decay"]).sub_(update, alpha=lr)
