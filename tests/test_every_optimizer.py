@@ -200,3 +200,13 @@ def test_shampoo_momentum_switched_on_mid_run_starts_its_buffer_at_zero():
     U = st["L_inv_root"] @ G @ st["R_inv_root"]
     assert torch.equal(st["momentum_buffer"], torch.zeros_like(U).lerp_(U, 0.5))  # lerp from zero: 0.5 U
     assert torch.equal(W.detach(), before.mul(1 - 0.1 * 0.1).sub_(st["momentum_buffer"], alpha=0.1))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Muon"])
+def test_nesterov_without_momentum_is_refused_like_torch_sgd(name):
+    with pytest.raises(ValueError, match="nesterov"):
+        make(name, matrices(), momentum=0.0, nesterov=True)
+    opt = make(name, matrices(), momentum=0.0, nesterov=False)  # the plain method is still there
+    opt.param_groups[0]["nesterov"] = True                      # ... and an edit is caught at step()
+    with pytest.raises(ValueError, match="nesterov"):
+        opt.step()

@@ -84,6 +84,16 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_nesterov(nesterov, momentum: float) -> bool:
+    """``nesterov`` must be a bool, and ``True`` only with ``momentum > 0`` (as ``torch.optim.SGD``)."""
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"Invalid nesterov: expected a bool, got {nesterov!r}")
+    if nesterov and momentum == 0:
+        raise ValueError("Invalid nesterov: nesterov=True needs momentum > 0 (with momentum 0 it is plain "
+                         "SGD, and torch.optim.SGD refuses it too); pass nesterov=False")
+    return nesterov
+
+
 def check_foreach(foreach) -> bool | None:
     """``foreach`` must be ``None`` (choose by device), ``True`` or ``False``."""
     if foreach is not None and not isinstance(foreach, bool):

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ..newton_schulz import newton_schulz, ns_schedule
-from ._validation import check_lr, check_momentum, check_number, check_weight_decay
+from ._validation import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Muon", "SCALE_MODES", "muon_scale", "split_rows"]
@@ -94,7 +94,8 @@ class Muon(BookOptimizer):
         params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
         lr: learning rate ``>= 0`` (0.02 is Keller's default with ``shape_scaling``).
         momentum: EMA coefficient in ``[0, 1)``.
-        nesterov: use ``lerp(G, M, momentum)`` as the direction.
+        nesterov: use ``lerp(G, M, momentum)`` as the direction; needs ``momentum > 0`` (pass
+            ``nesterov=False`` with ``momentum=0``).
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr`` (Moonlight eq. 3).
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
@@ -140,14 +141,13 @@ class Muon(BookOptimizer):
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
-        check_momentum(group["momentum"])
+        momentum = check_momentum(group["momentum"])
         check_weight_decay(group["weight_decay"])
         check_number("extra_scale_factor", group["extra_scale_factor"])
         check_number("eps", group["eps"], low=0.0, low_open=True)
         ns_schedule(group["coefficients"], group["ns_steps"])
         muon_scale((1, 1), group["scale_mode"])
-        if not isinstance(group["nesterov"], bool):
-            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        check_nesterov(group["nesterov"], momentum)
         if group["ns_dtype"] not in NS_DTYPES:
             raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
                             f"supports), got {group['ns_dtype']!r}")

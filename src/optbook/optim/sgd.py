@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_foreach, check_lr, check_momentum, check_weight_decay
+from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["SGD", "sgd"]
@@ -71,7 +71,8 @@ class SGD(BookOptimizer):
         params: iterable of real floating-point tensors or of param-group dicts.
         lr: learning rate (units of the parameter per unit of the EMA'd gradient), ``>= 0``.
         momentum: EMA coefficient ``mu`` in ``[0, 1)``; 0 gives plain SGD and allocates no state.
-        nesterov: use ``lerp(g, m, mu)`` as the direction instead of ``m``.
+        nesterov: use ``lerp(g, m, mu)`` as the direction instead of ``m``; needs ``momentum > 0``
+            (as ``torch.optim.SGD``).
         weight_decay: coupled L2 coefficient ``>= 0`` added to the gradient.
         foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
             picks it when every parameter of the group is on a CUDA device.
@@ -81,7 +82,7 @@ class SGD(BookOptimizer):
 
     Raises:
         ValueError: ``lr < 0``, ``momentum`` outside ``[0, 1)``, ``weight_decay < 0``, non-finite
-            values; a gradient of another shape or device.
+            values, ``nesterov=True`` with ``momentum=0``; a gradient of another shape or device.
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
             ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """
@@ -94,10 +95,9 @@ class SGD(BookOptimizer):
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
-        check_momentum(group["momentum"])
+        momentum = check_momentum(group["momentum"])
         check_weight_decay(group["weight_decay"])
-        if not isinstance(group["nesterov"], bool):
-            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        check_nesterov(group["nesterov"], momentum)
         check_foreach(group["foreach"])
 
     def _step_group(self, group: dict) -> None:
