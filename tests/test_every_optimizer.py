@@ -210,3 +210,68 @@ def test_nesterov_without_momentum_is_refused_like_torch_sgd(name):
     opt.param_groups[0]["nesterov"] = True                      # ... and an edit is caught at step()
     with pytest.raises(ValueError, match="nesterov"):
         opt.step()
+
+
+# ---------------------------------------------------------------- state dicts
+
+NEWER_OPTIONS = ("foreach", "head_split", "amsgrad", "maximize")  # options added after the first release
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_state_dict_without_newer_options_loads_and_steps(name, foreach):
+    straight, first = matrices(), matrices()
+    run = make(name, straight)
+    drive(run, straight, 5)
+    opt = make(name, first)
+    drive(opt, first, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        for key in NEWER_OPTIONS:
+            group.pop(key, None)
+    second = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = make(name, second, foreach)
+    opt2.load_state_dict(saved)
+    for key in NEWER_OPTIONS:
+        if key in opt2.defaults:  # filled with the constructor's default (the old behaviour)
+            assert opt2.param_groups[0][key] == {"foreach": None, "head_split": None}.get(key, False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # replay the first run's two gradients, then three more
+        for p in second:
+            torch.randn(p.shape, generator=g, dtype=p.dtype)
+    for _ in range(3):
+        for p in second:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt2.step()
+    for a, b in zip(straight, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_load_state_dict_copies_instead_of_aliasing_the_source(name, foreach):
+    source_params = matrices()
+    source = make(name, source_params, foreach)
+    drive(source, source_params, 2)
+    params = [p.detach().clone().requires_grad_() for p in source_params]
+    loaded = make(name, params, foreach)
+    loaded.load_state_dict(source.state_dict())  # same process, same dtype and device
+    snap = snapshot(source, source_params)
+    drive(loaded, params, 3)  # stepping the loaded optimizer ...
+    assert_unchanged(source, source_params, snap)  # ... leaves the source's state as it was
+    for p, q in zip(source_params, params):
+        for key, value in source.state[p].items():
+            if torch.is_tensor(value):
+                assert value.untyped_storage().data_ptr() != loaded.state[q][key].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_pickled_optimizer_without_newer_options_unpickles_with_defaults(name):
+    import pickle
+
+    opt = make(name, matrices())
+    for group in opt.param_groups:
+        for key in NEWER_OPTIONS:
+            group.pop(key, None)
+    clone = pickle.loads(pickle.dumps(opt))
+    for key in NEWER_OPTIONS:
+        if key in clone.defaults:
+            assert key in clone.param_groups[0]

@@ -1,6 +1,6 @@
 """The small base class every optimizer in :mod:`optbook.optim` shares.
 
-It adds exactly two things to :class:`torch.optim.Optimizer`:
+It adds these things to :class:`torch.optim.Optimizer`:
 
 * every parameter group is validated when it is added (``__init__`` and ``add_param_group``), and
   again, with every gradient, at the start of each ``step()`` -- *before* any tensor is written, so
@@ -10,13 +10,22 @@ It adds exactly two things to :class:`torch.optim.Optimizer`:
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
   (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it;
 * a parameter with zero elements (e.g. shape ``(0, 3)``) is skipped: it has nothing to update, gets no
-  state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape.
+  state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape;
+* a state dict saved before an option existed (e.g. ``foreach``, ``head_split``, ``amsgrad``) loads and
+  steps: ``__setstate__`` fills each missing option with the constructor's default, the behaviour the
+  old version had (as ``torch.optim``'s classes do, one ``setdefault`` per option);
+* ``load_state_dict`` copies the state tensors it is given, so the loaded optimizer never shares them
+  with the source (``torch.optim.Optimizer.load_state_dict`` keeps a same-dtype, same-device tensor
+  as it is: stepping one optimizer then changes the other; pytorch/pytorch#196083).
 
 Subclasses implement ``_check_hyperparameters(group)`` and ``_step_group(group)``.
 Explained in chapter 1 (SGD and momentum).
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
 
 import torch
 
@@ -35,6 +44,23 @@ class BookOptimizer(torch.optim.Optimizer):
             check_params(params)
         self._check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        signature = inspect.signature(type(self).__init__).parameters
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                if key not in group:  # an option newer than the saved state: its default
+                    default = signature[key].default if key in signature else inspect.Parameter.empty
+                    group[key] = value if default is inspect.Parameter.empty else default
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict`` (from :meth:`state_dict`) into this optimizer, copying every tensor.
+
+        Raises:
+            ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts differ).
+        """
+        super().load_state_dict(copy.deepcopy(state_dict))
 
     def _check_hyperparameters(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
