@@ -275,3 +275,56 @@ def test_pickled_optimizer_without_newer_options_unpickles_with_defaults(name):
     for key in NEWER_OPTIONS:
         if key in clone.defaults:
             assert key in clone.param_groups[0]
+
+
+# ---------------------------------------------------------------- functional twins
+
+def _twin_run(name):
+    """Drive the class and, by hand, its functional twin on the same gradients; return both parameter lists."""
+    from optbook.optim import adafactor, lion, muon, shampoo, soap
+
+    ours, theirs = matrices(shapes=((4, 3), (3, 5))), matrices(shapes=((4, 3), (3, 5)))
+    hp = {"Lion": dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1),
+          "Adafactor": dict(lr=0.01, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.1),
+          "Shampoo": dict(lr=0.01, beta2=0.9, eps=1e-12, momentum=0.5, precondition_frequency=2, weight_decay=0.1),
+          "SOAP": dict(lr=0.01, betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, precondition_frequency=2,
+                       weight_decay=0.1),
+          "Muon": dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1, ns_dtype=torch.float64)}[name]
+    opt = {"Lion": Lion, "Adafactor": Adafactor, "Shampoo": Shampoo, "SOAP": SOAP, "Muon": Muon}[name](ours, **hp)
+    z = [torch.zeros_like(p) for p in theirs]
+    n = len(theirs)
+    L = [torch.eye(p.shape[0], dtype=p.dtype) * 1e-12 for p in theirs]
+    R = [torch.eye(p.shape[1], dtype=p.dtype) * 1e-12 for p in theirs]
+    if name == "SOAP":
+        L, R = [torch.zeros(p.shape[0], p.shape[0], dtype=p.dtype) for p in theirs], \
+               [torch.zeros(p.shape[1], p.shape[1], dtype=p.dtype) for p in theirs]
+    Li, Ri = [None] * n, [None] * n
+    rows = [p.new_zeros(p.shape[0], 1) for p in theirs]
+    cols = [p.new_zeros(1, p.shape[1]) for p in theirs]
+    v = [torch.zeros_like(p) for p in theirs]
+    g = torch.Generator().manual_seed(1)
+    for t in range(1, 6):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in ours]
+        for p, G in zip(ours, grads):
+            p.grad = G.clone()
+        opt.step()
+        if name == "Lion":
+            lion(theirs, grads, z, lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        elif name == "Adafactor":
+            adafactor(theirs, grads, rows, cols, [None] * n, [t] * n, lr=0.01, beta2_decay=-0.8, eps1=None,
+                      eps2=1e-3, d=1.0, weight_decay=0.1)
+        elif name == "Shampoo":
+            shampoo(theirs, grads, L, R, Li, Ri, z, [t] * n, **{k: hp[k] for k in hp})
+        elif name == "SOAP":
+            soap(theirs, grads, z, v, L, R, Li, Ri, [t] * n, lr=0.01, beta1=0.9, beta2=0.95, shampoo_beta=0.9,
+                 eps=1e-8, precondition_frequency=2, weight_decay=0.1)
+        else:
+            muon(theirs, grads, z, **hp)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", ["Lion", "Adafactor", "Shampoo", "SOAP", "Muon"])
+def test_each_class_equals_its_functional_twin_bit_for_bit(name):
+    ours, theirs = _twin_run(name)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)

@@ -31,7 +31,7 @@ from ..newton_schulz import newton_schulz, ns_schedule
 from ._validation import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Muon", "SCALE_MODES", "muon_scale", "split_rows"]
+__all__ = ["Muon", "SCALE_MODES", "muon", "muon_scale", "split_rows"]
 
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 #: The dtypes Newton–Schulz may iterate in.
@@ -85,6 +85,45 @@ def split_rows(rows: int, head_split) -> list[int]:
     if any(s < 1 for s in sizes) or sum(sizes) != rows:
         raise ValueError(f"Invalid head_split: block sizes {sizes} must be positive and sum to the {rows} rows")
     return sizes
+
+
+@torch.no_grad()
+def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
+         momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
+         scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
+         ns_dtype: torch.dtype = torch.bfloat16, head_split=None) -> None:
+    """Apply one Muon step in place (the pure function behind :class:`Muon`).
+
+    Args:
+        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
+            parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
+        lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
+            eps, ns_dtype, head_split: as in :class:`Muon`; not re-validated here.
+
+    Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call.
+    """
+    if not params:
+        return
+    directions = []
+    for g, m in zip(grads, momentum_buffers):
+        m.lerp_(g, 1 - momentum)
+        directions.append(g.lerp(m, momentum) if nesterov else m)
+
+    # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
+    blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
+    by_shape = defaultdict(list)
+    for i, bs in enumerate(blocks):
+        for j, b in enumerate(bs):
+            by_shape[tuple(b.shape)].append((i, j))
+    for shape, where in by_shape.items():
+        O = newton_schulz(torch.stack([blocks[i][j] for i, j in where]), steps=ns_steps,
+                          coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))
+        for k, (i, j) in enumerate(where):
+            blocks[i][j] = O[k]
+    for p, bs in zip(params, blocks):
+        p.mul_(1 - lr * weight_decay)
+        p.sub_(torch.cat(bs, dim=0), alpha=lr)
 
 
 class Muon(BookOptimizer):
@@ -157,30 +196,8 @@ class Muon(BookOptimizer):
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        directions = []
         for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            m = state["momentum_buffer"]
-            m.lerp_(p.grad, 1 - momentum)
-            directions.append(p.grad.lerp(m, momentum) if group["nesterov"] else m)
-
-        # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
-        blocks = [list(d.split(split_rows(d.shape[0], group["head_split"]), dim=0)) for d in directions]
-        by_shape = defaultdict(list)
-        for i, bs in enumerate(blocks):
-            for j, b in enumerate(bs):
-                by_shape[tuple(b.shape)].append((i, j))
-        for shape, where in by_shape.items():
-            O = newton_schulz(torch.stack([blocks[i][j] for i, j in where]), steps=group["ns_steps"],
-                              coefficients=group["coefficients"], eps=group["eps"], dtype=group["ns_dtype"])
-            O.mul_(muon_scale(shape, group["scale_mode"], group["extra_scale_factor"]))
-            for k, (i, j) in enumerate(where):
-                blocks[i][j] = O[k]
-        for p, bs in zip(params, blocks):
-            p.mul_(1 - lr * wd)
-            p.sub_(torch.cat(bs, dim=0), alpha=lr)
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        muon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+             **{key: group[key] for key in self.defaults})  # the hyperparameters are muon()'s keywords
