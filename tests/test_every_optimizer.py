@@ -234,6 +234,7 @@ def test_a_state_dict_without_newer_options_loads_and_steps(name, foreach):
     for key in NEWER_OPTIONS:
         if key in opt2.defaults:  # filled with the constructor's default (the old behaviour)
             assert opt2.param_groups[0][key] == {"foreach": None, "head_split": None}.get(key, False)
+    assert "differentiable" not in opt2.param_groups[0]  # torch's own default is not pushed into the groups
     g = torch.Generator().manual_seed(1)
     for _ in range(2):  # replay the first run's two gradients, then three more
         for p in second:

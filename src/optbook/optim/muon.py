@@ -200,4 +200,7 @@ class Muon(BookOptimizer):
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         muon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
-             **{key: group[key] for key in self.defaults})  # the hyperparameters are muon()'s keywords
+             lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+             weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+             scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
+             ns_dtype=group["ns_dtype"], head_split=group["head_split"])

@@ -50,8 +50,8 @@ class BookOptimizer(torch.optim.Optimizer):
         signature = inspect.signature(type(self).__init__).parameters
         for group in self.param_groups:
             for key, value in self.defaults.items():
-                if key not in group:  # an option newer than the saved state: its default
-                    default = signature[key].default if key in signature else inspect.Parameter.empty
+                if key in signature and key not in group:  # an option newer than the saved state: its default
+                    default = signature[key].default
                     group[key] = value if default is inspect.Parameter.empty else default
 
     def load_state_dict(self, state_dict: dict) -> None:
