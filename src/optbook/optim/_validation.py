@@ -101,6 +101,30 @@ def check_foreach(foreach) -> bool | None:
     return foreach
 
 
+def check_precondition_frequency(f) -> int:
+    """``precondition_frequency`` must be an int >= 1 (Shampoo and SOAP)."""
+    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+    return f
+
+
+def check_matrices(params: Iterable, optimizer: str, hint: str) -> None:
+    """Every tensor in ``params`` must be 2-D (Muon, Shampoo and SOAP update matrices only).
+
+    Args:
+        params: the tensors of one param group (non-tensors are left to ``torch.optim``'s own checks).
+        optimizer: the class name, for the message.
+        hint: where the other tensors should go, appended to the message.
+
+    Raises:
+        ValueError: naming the offending parameter's index and shape.
+    """
+    for i, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and p.ndim != 2:
+            raise ValueError(f"{optimizer} updates 2-D matrices only, but parameter {i} of this group has shape "
+                             f"{tuple(p.shape)}; {hint}")
+
+
 def check_params(params: Iterable[torch.Tensor]) -> None:
     """Every parameter must be a real floating-point tensor (not integer, bool or complex).
 

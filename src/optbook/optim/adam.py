@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from ._functional import use_foreach
 from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -140,9 +141,7 @@ class _AdamBase(BookOptimizer):
             steps.append(state["step"])
             if amsgrad:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = bool(params) and all(p.is_cuda for p in params)
+        foreach = use_foreach(group["foreach"], params)
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from ..newton_schulz import newton_schulz, ns_schedule
-from ._validation import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from ._functional import momentum_directions
+from ._validation import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Muon", "SCALE_MODES", "muon", "muon_scale", "split_rows"]
@@ -104,10 +105,7 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     """
     if not params:
         return
-    directions = []
-    for g, m in zip(grads, momentum_buffers):
-        m.lerp_(g, 1 - momentum)
-        directions.append(g.lerp(m, momentum) if nesterov else m)
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
 
     # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
@@ -168,12 +166,9 @@ class Muon(BookOptimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group = {**self.defaults, **param_group}
-        for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and p.ndim != 2:
-                raise ValueError(
-                    f"Muon updates 2-D matrices only, but parameter {i} of this group has shape {tuple(p.shape)}; "
-                    "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
-                    "optbook.optim.muon_param_groups(model)")
+        check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
+                                       "optbook.optim.muon_param_groups(model)")
+        for p in params:
             if isinstance(p, torch.Tensor):
                 split_rows(p.shape[0], group["head_split"])
         super().add_param_group({**param_group, "params": params})

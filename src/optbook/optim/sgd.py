@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ._functional import momentum_directions, use_foreach
 from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -40,28 +41,17 @@ def sgd(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers:
     """
     if not params:
         return
-    if foreach:
-        if weight_decay:
+    if weight_decay:
+        if foreach:
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
-        if momentum:
-            torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-            if nesterov:
-                directions = torch._foreach_lerp(grads, momentum_buffers, momentum)
-            else:
-                directions = momentum_buffers
         else:
-            directions = grads
+            grads = [g.add(p, alpha=weight_decay) for p, g in zip(params, grads)]
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov, foreach=foreach) if momentum else grads
+    if foreach:
         torch._foreach_add_(params, directions, alpha=-lr)
-        return
-    for p, g, m in zip(params, grads, momentum_buffers):
-        if weight_decay:
-            g = g.add(p, alpha=weight_decay)
-        if momentum:
-            m.lerp_(g, 1 - momentum)
-            d = g.lerp(m, momentum) if nesterov else m
-        else:
-            d = g
-        p.add_(d, alpha=-lr)
+    else:
+        for p, d in zip(params, directions):
+            p.add_(d, alpha=-lr)
 
 
 class SGD(BookOptimizer):
@@ -109,8 +99,6 @@ class SGD(BookOptimizer):
             if momentum and "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buffers.append(state.get("momentum_buffer"))
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = bool(params) and all(p.is_cuda for p in params)
         sgd(params, [p.grad for p in params], buffers, lr=group["lr"], momentum=momentum,
-            nesterov=group["nesterov"], weight_decay=group["weight_decay"], foreach=foreach)
+            nesterov=group["nesterov"], weight_decay=group["weight_decay"],
+            foreach=use_foreach(group["foreach"], params))

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_lr, check_number, check_weight_decay
+from ._validation import check_lr, check_matrices, check_number, check_precondition_frequency, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Shampoo", "inverse_root", "shampoo"]
 
-
-def check_precondition_frequency(f) -> int:
-    """``precondition_frequency`` must be an int >= 1 (shared by Shampoo and SOAP)."""
-    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
-    return f
+#: Where the error for a non-matrix parameter sends it (Shampoo and SOAP).
+MATRIX_HINT = ("give 0-D/1-D/3-D tensors to AdamW (e.g. via optbook.optim.muon_param_groups) or reshape them")
 
 
 def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
@@ -106,11 +102,7 @@ class Shampoo(BookOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and p.ndim != 2:
-                raise ValueError(f"{type(self).__name__} preconditions 2-D matrices only, but parameter {i} has shape "
-                                 f"{tuple(p.shape)}; give 0-D/1-D/3-D tensors to AdamW (e.g. via "
-                                 "optbook.optim.muon_param_groups) or reshape them")
+        check_matrices(params, "Shampoo", MATRIX_HINT)
         super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:

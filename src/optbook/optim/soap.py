@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_betas, check_eps, check_lr, check_number, check_weight_decay
-from .shampoo import Shampoo, check_precondition_frequency
+from ._validation import (check_betas, check_eps, check_lr, check_matrices, check_number, check_precondition_frequency,
+                          check_weight_decay)
+from .optimizer import BookOptimizer
+from .shampoo import MATRIX_HINT
 
 __all__ = ["SOAP", "soap"]
 
@@ -63,7 +65,7 @@ def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         p.mul_(1 - lr * weight_decay).sub_(QL @ N @ QR.mT, alpha=lr)
 
 
-class SOAP(Shampoo):
+class SOAP(BookOptimizer):
     """SOAP for 2-D parameters (pair it with AdamW for the rest).
 
     Args:
@@ -79,16 +81,24 @@ class SOAP(Shampoo):
     ``(m, m)``, ``R``, ``Q_R`` ``(n, n)``.
 
     Raises:
-        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters.
+        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
+            non-finite gradient (before anything changes).
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
+
+    refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float = 0.95, eps: float = 1e-8, precondition_frequency: int = 10,
                  weight_decay: float = 0.0):
-        super(Shampoo, self).__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
-                                                   precondition_frequency=precondition_frequency,
-                                                   weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                                      precondition_frequency=precondition_frequency, weight_decay=weight_decay))
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        check_matrices(params, "SOAP", MATRIX_HINT)
+        super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
