@@ -101,27 +101,33 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
             eps, ns_dtype, head_split: as in :class:`Muon`; not re-validated here.
 
-    Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call.
+    Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call; a block
+    whose shape no other block shares is passed as it is (no stack), and every orthogonalised block is
+    subtracted straight from its rows of the parameter (no concatenation).
     """
     if not params:
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
 
-    # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
+    # cut into row blocks (views), gather equal shapes, orthogonalise each shape in one call: a shape
+    # held by several blocks is stacked into one batch, a shape held by one block goes in as it is
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
     by_shape = defaultdict(list)
     for i, bs in enumerate(blocks):
         for j, b in enumerate(bs):
             by_shape[tuple(b.shape)].append((i, j))
     for shape, where in by_shape.items():
-        O = newton_schulz(torch.stack([blocks[i][j] for i, j in where]), steps=ns_steps,
-                          coefficients=coefficients, eps=eps, dtype=ns_dtype)
-        O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))
+        batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
+        O = newton_schulz(batch, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
         for k, (i, j) in enumerate(where):
-            blocks[i][j] = O[k]
+            blocks[i][j] = O if len(where) == 1 else O[k]
     for p, bs in zip(params, blocks):
         p.mul_(1 - lr * weight_decay)
-        p.sub_(torch.cat(bs, dim=0), alpha=lr)
+        row = 0
+        for b in bs:  # each block straight into its rows of p: no concatenated copy
+            p.narrow(0, row, b.shape[0]).sub_(b, alpha=lr)
+            row += b.shape[0]
 
 
 class Muon(BookOptimizer):

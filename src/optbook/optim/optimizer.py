@@ -32,6 +32,20 @@ import torch
 from ._validation import check_grad, check_params
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every (non-empty) tensor is finite, in one reduction per device.
+
+    The largest absolute value of a tensor (``torch._foreach_norm`` with ``ord=inf``, one fused launch
+    per device) is finite exactly when every element is: a NaN propagates through the maximum and
+    ``+-inf`` gives ``inf``; a large finite value cannot overflow a maximum.
+    """
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    return all(bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all())
+               for ts in by_device.values())
+
+
 class BookOptimizer(torch.optim.Optimizer):
     """Base class: validation before mutation, closures, and PyTorch's param-group machinery."""
 
@@ -68,12 +82,18 @@ class BookOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    #: Refuse non-finite gradients before any write (one reduction per tensor). Set by optimizers whose
-    #: state a NaN would poison for good (Muon's normalisation, Shampoo's and SOAP's factors).
+    #: Refuse non-finite gradients before any write. Set by optimizers whose state a NaN would poison
+    #: for good (Muon's normalisation, Shampoo's and SOAP's factors).
     refuse_nonfinite_grads = False
 
     def _validate(self) -> None:
-        """Check every group's hyperparameters and every gradient; raise before any write."""
+        """Check every group's hyperparameters and every gradient; raise before any write.
+
+        Non-finite gradients (when ``refuse_nonfinite_grads``) are found by one check over all the
+        gradients of the step (one device synchronisation per device, not one per tensor); only when it
+        fails are the tensors looked at one by one, to name the first offender.
+        """
+        checked = []
         for gi, group in enumerate(self.param_groups):
             self._check_hyperparameters(group)
             for pi, p in enumerate(group["params"]):
@@ -81,7 +101,11 @@ class BookOptimizer(torch.optim.Optimizer):
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
                 check_grad(p, where)
-                if self.refuse_nonfinite_grads and not bool(torch.isfinite(p.grad).all()):
+                if p.numel():
+                    checked.append((where, p))
+        if self.refuse_nonfinite_grads and checked and not all_finite([p.grad for _, p in checked]):
+            for where, p in checked:
+                if not bool(torch.isfinite(p.grad).all()):
                     raise ValueError(f"Non-finite gradient in {where} (shape {tuple(p.shape)}): skip this step "
                                      "(see the loss scaler); nothing was changed")
 
