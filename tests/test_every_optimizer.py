@@ -114,6 +114,51 @@ def test_bad_tensor_lr_is_refused_in_the_constructor(name, lr):
         make(name, matrices(), lr=lr)
 
 
+# every real-valued hyperparameter besides lr, with a value each class accepts
+FLOAT_OPTIONS = {
+    "SGD": dict(momentum=0.9, weight_decay=0.1),
+    "Adam": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "AdamW": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "Lion": dict(betas=(0.8, 0.99), weight_decay=0.1),
+    "Adafactor": dict(beta2_decay=-0.7, eps=(1e-30, 1e-3), d=1.5, weight_decay=0.1),
+    "Shampoo": dict(beta2=0.9, eps=1e-6, momentum=0.5, weight_decay=0.1),
+    "SOAP": dict(betas=(0.8, 0.99), shampoo_beta=0.9, eps=1e-6, weight_decay=0.1),
+    "Muon": dict(momentum=0.9, weight_decay=0.1, extra_scale_factor=0.2, eps=1e-6),
+}
+
+
+def _as_tensors(value, make_tensor):
+    if isinstance(value, tuple):
+        return tuple(make_tensor(x) for x in value)
+    return make_tensor(value)
+
+
+@pytest.mark.parametrize("make_tensor", [lambda x: torch.tensor(x), lambda x: torch.tensor([x], dtype=torch.float64)],
+                         ids=["0-dim-fp32", "1-D-fp64"])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_every_real_hyperparameter_given_as_a_tensor_gives_bitwise_the_float_result(name, foreach, make_tensor):
+    for key, value in FLOAT_OPTIONS[name].items():
+        tensor_value = _as_tensors(value, make_tensor)
+        float_value = tuple(map(float, tensor_value)) if isinstance(value, tuple) else float(tensor_value)
+        with_tensor, with_float = matrices(), matrices()
+        opt_t = make(name, with_tensor, foreach, **{key: tensor_value})
+        opt_f = make(name, with_float, foreach, **{key: float_value})
+        drive(opt_t, with_tensor, 3)
+        drive(opt_f, with_float, 3)
+        for a, b in zip(with_tensor, with_float):
+            assert torch.equal(a, b), key
+        kept = opt_t.param_groups[0][key]  # the group keeps what it was given
+        assert all(map(torch.is_tensor, kept)) if isinstance(value, tuple) else torch.is_tensor(kept)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_tensor_hyperparameter_with_several_elements_is_refused_in_the_constructor_by_name(name):
+    for key, value in FLOAT_OPTIONS[name].items():
+        bad = (torch.tensor([value[0]] * 2),) + value[1:] if isinstance(value, tuple) else torch.tensor([value] * 2)
+        with pytest.raises(TypeError, match=rf"Invalid {key}"):
+            make(name, matrices(), **{key: bad})
+
+
 # ---------------------------------------------------------------- zero-element parameters
 
 @pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)

@@ -105,6 +105,8 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
 
 class _AdamBase(BookOptimizer):
     _decoupled: bool
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  amsgrad: bool, maximize: bool, foreach: bool | None):
@@ -171,7 +173,6 @@ _ARGS_DOC = """
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
             ``amsgrad`` or ``maximize`` not a bool, ``foreach`` not ``None``/``True``/``False``.
 """
-
 
 class Adam(_AdamBase):
     __doc__ = ("Adam (Kingma & Ba 2015, Algorithm 1) with optional coupled L2 weight decay.\n"

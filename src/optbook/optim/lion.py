@@ -54,6 +54,9 @@ class Lion(BookOptimizer):
         ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "weight_decay")
+
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.95, 0.98),
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))

@@ -157,6 +157,9 @@ class Muon(BookOptimizer):
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "momentum", "weight_decay", "extra_scale_factor", "eps")
+
     refuse_nonfinite_grads = True
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,

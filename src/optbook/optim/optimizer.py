@@ -8,7 +8,10 @@ It adds these things to :class:`torch.optim.Optimizer`:
 * ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
 * a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
-  (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it;
+  (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it. The same holds for
+  every other real-valued hyperparameter a class lists in ``float_options`` (``momentum``,
+  ``weight_decay``, ``eps``, each entry of ``betas``, ...); a tensor with more than one element, a
+  bool, complex or non-finite one is refused when the group is added, naming the argument;
 * a parameter with zero elements (e.g. shape ``(0, 3)``) is skipped: it has nothing to update, gets no
   state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape;
 * a state dict saved before an option existed (e.g. ``foreach``, ``head_split``, ``amsgrad``) loads and
@@ -76,6 +79,21 @@ class BookOptimizer(torch.optim.Optimizer):
         """
         super().load_state_dict(copy.deepcopy(state_dict))
 
+    #: The real-valued hyperparameters (or pairs of them, like ``betas``) that may be given as one-element
+    #: tensors; ``step`` reads each as a Python float. Integer and choice options are not in it.
+    float_options: tuple[str, ...] = ("lr",)
+
+    def _read_floats(self, group: dict) -> dict:
+        """``group`` with every tensor in ``float_options`` read as ``float`` (a new dict only if needed)."""
+        floats = {}
+        for key in self.float_options:
+            value = group[key]
+            if isinstance(value, torch.Tensor):  # validated: one real element
+                floats[key] = float(value)
+            elif isinstance(value, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in value):
+                floats[key] = type(value)(float(x) if isinstance(x, torch.Tensor) else x for x in value)
+        return {**group, **floats} if floats else group
+
     def _check_hyperparameters(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -130,8 +148,7 @@ class BookOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._validate()
         for group in self.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # validated: one real element
-                group = {**group, "lr": float(group["lr"])}
+            group = self._read_floats(group)
             if any(p.numel() == 0 for p in group["params"]):
                 group = {**group, "params": [p for p in group["params"] if p.numel()]}
             self._step_group(group)

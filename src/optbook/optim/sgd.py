@@ -77,6 +77,9 @@ class SGD(BookOptimizer):
             ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "momentum", "weight_decay")
+
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, *, foreach: bool | None = None):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,

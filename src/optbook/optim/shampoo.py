@@ -92,6 +92,9 @@ class Shampoo(BookOptimizer):
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "beta2", "eps", "momentum", "weight_decay")
+
     refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,

@@ -86,6 +86,9 @@ class SOAP(BookOptimizer):
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "shampoo_beta", "eps", "weight_decay")
+
     refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
