@@ -120,9 +120,19 @@ def test_non_matrix_and_integer_input_is_refused():
         newton_schulz(torch.ones(2, 2, dtype=torch.int64))
 
 
-def test_explicit_schedules_cycle():
-    assert ns_schedule("quintic", 7)[5] == ns_schedule("quintic", 5)[0]
-    assert ns_schedule([(1, 2, 3), (4, 5, 6)], 3) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (1.0, 2.0, 3.0)]
+def test_a_schedule_run_past_its_end_repeats_its_last_triple():
+    assert ns_schedule("quintic", 7)[5:] == [ns_schedule("quintic", 5)[-1]] * 2
+    assert ns_schedule([(1, 2, 3), (4, 5, 6)], 3) == [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (4.0, 5.0, 6.0)]
+
+
+@pytest.mark.parametrize("steps", [6, 8])
+def test_quintic_run_for_more_steps_than_it_has_ends_with_singular_values_near_one(steps):
+    # cycling to the first triple (Megatron-LM) maps 1 to 0.117: singular values 0.07-0.14 after 6 steps
+    G = torch.randn(32, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sv = torch.linalg.svdvals(newton_schulz(G, steps=steps, coefficients="quintic", dtype=torch.float64))
+    five = torch.linalg.svdvals(newton_schulz(G, steps=5, coefficients="quintic", dtype=torch.float64))
+    assert float(sv.min()) > 0.9 and float(sv.max()) < 1.1, sv  # the 5-step band is [0.978, 1.032]
+    assert float((sv - 1).abs().max()) <= float((five - 1).abs().max()) + 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

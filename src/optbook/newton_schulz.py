@@ -35,8 +35,15 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
     """The list of ``(a, b, c)`` applied at each of ``steps`` iterations.
 
     ``"simple"`` and ``"cubic"`` repeat one triple; ``"quintic"`` and an explicit sequence of
-    triples are cycled (the quintic schedule is designed for 5 steps, as Megatron-LM cycles it);
-    ``"deepseek_v4"`` is 8 simple steps and 2 of ``(2, -1.5, 0.5)`` and needs ``steps=10``.
+    triples are applied in order, and a schedule run for more steps than it has triples repeats its
+    *last* triple; ``"deepseek_v4"`` is 8 simple steps and 2 of ``(2, -1.5, 0.5)`` and needs ``steps=10``.
+
+    Pitfall: cycling back to the first triple (``schedule[i % len(schedule)]``, what Megatron-LM's
+    ``newton_schulz`` does for ``steps`` beyond the quintic schedule's five) restarts the aggressive
+    opening polynomials on an iterate whose singular values are already near 1. The first quintic
+    triple maps 1 to ``4.0848 - 6.8946 + 2.9270 = 0.117``, so ``"quintic"`` with ``steps=6`` ends with
+    singular values of 0.07-0.14 instead of about 1. The closing triples are built to keep values near
+    1 where they are, so repeating the last one is safe.
 
     Raises:
         ValueError: unknown name, ``steps < 1`` or not an int, a triple that is not 3 finite numbers,
@@ -57,7 +64,7 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
         if not base or any(len(c) != 3 or not all(math.isfinite(float(x)) for x in c) for c in base):
             raise ValueError(f"Invalid coefficients: expected a non-empty sequence of (a, b, c) triples "
                              f"of finite numbers, got {coefficients!r}")
-    return [tuple(float(x) for x in base[i % len(base)]) for i in range(steps)]
+    return [tuple(float(x) for x in base[min(i, len(base) - 1)]) for i in range(steps)]
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence = "simple", eps: float = 1e-7,
