@@ -183,6 +183,32 @@ def test_resume_is_bit_identical(name):
     assert torch.equal(second, straight)
 
 
+def test_soap_second_moments_follow_their_eigenvectors_when_the_basis_is_refreshed():
+    # Two directions swap rank between the steps (e1 dominates L after [[3], [.1]], e2 after [[.2], [5]]).
+    # Each second-moment slot must follow its eigenvector, as in the SOAP authors' reference
+    # (nikhilvyas/SOAP, get_orthogonal_matrix_QR): right result [-0.1013, -0.1415] (float64, computed by
+    # hand from Algorithm 1 with the slots permuted); keeping v in place gave [+0.0278, -0.1338].
+    W = torch.zeros(2, 1, dtype=torch.float64, requires_grad=True)
+    opt = SOAP([W], lr=0.1, betas=(0.0, 0.9), shampoo_beta=0.5, precondition_frequency=1)
+    for G in ([[3.0], [0.1]], [[0.2], [5.0]]):
+        step(opt, W, torch.tensor(G, dtype=torch.float64))
+    torch.testing.assert_close(W.detach().flatten(), torch.tensor([-0.1013, -0.1415], dtype=torch.float64),
+                               rtol=0, atol=5e-5)  # the issue gives 4 decimals
+    # the slot of the largest eigenvalue comes first, and holds e2's second moment now
+    Q_L, v = opt.state[W]["Q_L"], opt.state[W]["exp_avg_sq"]
+    assert abs(float(Q_L[1, 0])) > 0.99 and float(v[0, 0]) > float(v[1, 0])
+
+
+def test_soap_refresh_without_a_rank_swap_only_reorders_the_slots():
+    # with the ranks unchanged, permuting slots and basis together is the identity on the update
+    from optbook.optim.soap import eigenbasis, slot_order
+    S = torch.diag(torch.tensor([1.0, 5.0, 3.0], dtype=torch.float64))
+    Q = eigenbasis(S, torch.float64)
+    assert torch.equal(Q.abs(), torch.eye(3, dtype=torch.float64)[:, [1, 2, 0]])
+    assert slot_order(Q, S).tolist() == [0, 1, 2]
+    assert slot_order(Q, torch.diag(torch.tensor([9.0, 5.0, 3.0], dtype=torch.float64))).tolist() == [2, 0, 1]
+
+
 @pytest.mark.parametrize("cls", [Shampoo, SOAP])
 @pytest.mark.parametrize("shape", [(), (4,), (2, 3, 4)])
 def test_shampoo_and_soap_refuse_non_matrices(cls, shape):

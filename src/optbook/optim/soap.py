@@ -13,8 +13,16 @@ For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
     N' = (Q_L^T m Q_R / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
     W  <- W * (1 - lr * weight_decay) - lr * Q_L N' Q_R^T
 
-When the basis is refreshed ``v`` is kept as it is (the paper's simplest choice). The very first
-step computes the basis from the first gradient before using it.
+Every basis orders its eigenvectors by decreasing eigenvalue. When the basis is refreshed, each
+second-moment slot of ``v`` follows its eigenvector, as in the authors' reference implementation
+(github.com/nikhilvyas/SOAP, ``get_orthogonal_matrix_QR``): the old eigenvectors are ranked by their
+eigenvalue estimates under the new statistics, ``diag(Q_L^T L Q_L)`` (likewise for ``R``), the rows
+(columns) of ``v`` are permuted into that order, and the new basis takes the eigenvectors of ``L``
+(``R``) in decreasing order. (The reference then refines the old basis by one power-iteration step
+and a QR decomposition; we take the exact ``eigh`` basis, in float64.) Keeping ``v`` in place instead
+is a pitfall: ``eigh`` ranks by the new eigenvalues, so when two directions swap rank each slot's
+second moment ends up attached to the other direction. The very first step computes the basis from
+the first gradient before using it.
 """
 
 from __future__ import annotations
@@ -26,7 +34,25 @@ from ._validation import (check_betas, check_eps, check_lr, check_matrices, chec
 from .optimizer import BookOptimizer
 from .shampoo import MATRIX_HINT
 
-__all__ = ["SOAP", "soap"]
+__all__ = ["SOAP", "eigenbasis", "slot_order", "soap"]
+
+
+def eigenbasis(S: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The eigenvectors of the symmetric ``(k, k)`` matrix ``S`` as columns, by decreasing eigenvalue.
+
+    Computed by ``torch.linalg.eigh`` in float64 (which returns them increasing), returned in ``dtype``.
+    """
+    return torch.linalg.eigh(S.double())[1].flip(-1).to(dtype)
+
+
+def slot_order(Q: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """The old basis ``Q`` ``(k, k)`` ranked by its eigenvalue estimates under new statistics ``S``.
+
+    Returns the ``(k,)`` int64 index that sorts ``diag(Q^T S Q)`` decreasingly (float64); slot ``j`` of the
+    refreshed basis then holds the old column ``index[j]``, as in the SOAP reference implementation.
+    """
+    Q64 = Q.double()
+    return torch.argsort((Q64 * (S.double() @ Q64)).sum(dim=0), descending=True, stable=True)
 
 
 @torch.no_grad()
@@ -42,8 +68,9 @@ def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
             ``exp_avgs`` (original basis) and ``exp_avg_sqs`` (rotated basis) are updated in place.
         Ls, Rs: the statistics ``(m, m)`` and ``(n, n)``, updated in place (set to the first
             gradient's ``G G^T``, ``G^T G`` at step 1).
-        Q_Ls, Q_Rs: the eigenbases in use; at steps ``1, 1 + f, ...`` (``f = precondition_frequency``)
-            the entry is *replaced in the list* by a fresh basis.
+        Q_Ls, Q_Rs: the eigenbases in use (``None`` before the first step); at steps ``1, 1 + f, ...``
+            (``f = precondition_frequency``) the entry is *replaced in the list* by a fresh basis, and
+            the rows and columns of ``exp_avg_sqs`` are permuted so each slot follows its eigenvector.
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
         lr, beta1, beta2, shampoo_beta, eps, precondition_frequency, weight_decay: as in :class:`SOAP`.
     """
@@ -54,9 +81,11 @@ def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         else:
             L.lerp_(G @ G.mT, 1 - shampoo_beta)
             R.lerp_(G.mT @ G, 1 - shampoo_beta)
-        if (t - 1) % precondition_frequency == 0:
-            Q_Ls[i] = torch.linalg.eigh(L.double())[1].to(p.dtype)
-            Q_Rs[i] = torch.linalg.eigh(R.double())[1].to(p.dtype)
+        if Q_Ls[i] is None:
+            Q_Ls[i], Q_Rs[i] = eigenbasis(L, p.dtype), eigenbasis(R, p.dtype)
+        elif (t - 1) % precondition_frequency == 0:  # each slot of v follows its eigenvector
+            v.copy_(v[slot_order(Q_Ls[i], L)][:, slot_order(Q_Rs[i], R)])
+            Q_Ls[i], Q_Rs[i] = eigenbasis(L, p.dtype), eigenbasis(R, p.dtype)
         QL, QR = Q_Ls[i], Q_Rs[i]
         m.lerp_(G, 1 - beta1)
         v.lerp_((QL.mT @ G @ QR).square_(), 1 - beta2)
