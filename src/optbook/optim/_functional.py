@@ -2,14 +2,18 @@
 
 ``momentum_directions`` is the EMA (lerp) momentum with the optional Nesterov look-ahead of chapter 1,
 used by :func:`optbook.optim.sgd` and :func:`optbook.optim.muon`; ``use_foreach`` is the rule that picks
-the ``torch._foreach_*`` path, used by :class:`~optbook.optim.SGD` and :class:`~optbook.optim.Adam`.
+the ``torch._foreach_*`` path, used by :class:`~optbook.optim.SGD` and :class:`~optbook.optim.Adam`;
+``in_float32``/``write_back`` compute the update of a float16/bfloat16 parameter in float32 and round
+it into the parameter (and its state) once, as mixed-precision training keeps master weights in
+float32 (Micikevicius et al. 2018, arXiv:1710.03740): a quantity such as Adam's
+``eps * sqrt(1 - beta2**t)`` (3e-10 at t = 1) underflows to zero in float16.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["momentum_directions", "use_foreach"]
+__all__ = ["LOW_PRECISION", "in_float32", "momentum_directions", "use_foreach", "write_back"]
 
 
 def momentum_directions(momentum_buffers: list[torch.Tensor], grads: list[torch.Tensor], momentum: float,
@@ -52,3 +56,19 @@ def use_foreach(foreach: bool | None, params: list[torch.Tensor]) -> bool:
     if foreach is None:
         return bool(params) and all(p.is_cuda for p in params)
     return foreach
+
+
+#: Parameter dtypes whose update is computed in float32 and written back once.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def in_float32(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``tensors`` with every float16/bfloat16 entry replaced by a float32 copy (others kept as they are)."""
+    return [t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in tensors]
+
+
+def write_back(targets: list[torch.Tensor | None], results: list[torch.Tensor | None]) -> None:
+    """Copy each float32 working copy made by :func:`in_float32` into its original (one rounding)."""
+    for t, r in zip(targets, results):
+        if t is not None and r is not t:
+            t.copy_(r)

@@ -14,7 +14,10 @@ For one parameter ``p`` with gradient ``g`` at step ``t = 1, 2, ...`` (elementwi
     v  <- v_max <- max(v_max, v)                (amsgrad=True: the denominator never shrinks; v_max from 0)
     p  <- p - lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
 
-``eps`` sits *outside* the square root, as in Algorithm 1. The last line is evaluated as
+``eps`` sits *outside* the square root, as in Algorithm 1. For a float16/bfloat16 parameter every line
+is computed in float32 and ``p``, ``m``, ``v`` are rounded back once (the state keeps the parameter's
+dtype, as in ``torch.optim``): in float16 ``eps * sqrt(1 - beta2**t)`` would underflow to 0 and give
+NaN for a zero gradient; the loop and foreach paths then agree bitwise. The last line is evaluated as
 ``p - (lr * c2 / c1) * m / (sqrt(v) + eps * c2)`` with ``c1 = 1 - beta1**t`` and
 ``c2 = sqrt(1 - beta2**t)``: the same number in exact arithmetic, one pass over memory fewer.
 AMSGrad is Reddi, Kale & Kumar (2018), arXiv:1904.09237, Algorithm 2, in ``torch.optim.Adam``'s form
@@ -28,7 +31,7 @@ import math
 
 import torch
 
-from ._functional import use_foreach
+from ._functional import LOW_PRECISION, in_float32, use_foreach, write_back
 from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -62,6 +65,14 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         return
     if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != len(params)):
         raise ValueError("Invalid max_exp_avg_sqs: amsgrad=True needs one tensor per parameter")
+    if any(p.dtype in LOW_PRECISION for p in params):  # the same step in float32, rounded back once
+        work = [in_float32(x) for x in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [])]
+        adam(*work[:4], steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+             decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, amsgrad=amsgrad, maximize=maximize,
+             max_exp_avg_sqs=work[4] if amsgrad else None)
+        for target, result in zip((params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or []), work[:1] + work[2:]):
+            write_back(target, result)
+        return
     if maximize:
         grads = torch._foreach_neg(grads)
     c1 = [1 - beta1 ** t for t in steps]

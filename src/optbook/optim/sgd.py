@@ -10,6 +10,9 @@ The update for one parameter ``p`` with gradient ``g`` (all tensors of ``p``'s s
     d       <- lerp(g, m, momentum)  if nesterov  else  m
     p       <- p - lr * d
 
+For a float16/bfloat16 parameter the step is computed in float32 and ``p`` and ``m`` are rounded back
+once, so the loop and foreach paths agree bitwise.
+
 Relation to ``torch.optim.SGD`` (heavy ball ``b <- momentum * b + g``, first ``b = g``): since
 ``m_t = (1 - momentum) * b_t`` exactly, ``SGD(lr=a, momentum=mu)`` here equals
 ``torch.optim.SGD(lr=a * (1 - mu), momentum=mu, dampening=0)``, with or without Nesterov.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._functional import momentum_directions, use_foreach
+from ._functional import LOW_PRECISION, in_float32, momentum_directions, use_foreach, write_back
 from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -40,6 +43,12 @@ def sgd(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers:
             pays on GPUs, not on CPUs).
     """
     if not params:
+        return
+    if any(p.dtype in LOW_PRECISION for p in params):  # the same step in float32, rounded back once
+        work = [in_float32(x) for x in (params, grads, momentum_buffers)]
+        sgd(*work, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, foreach=foreach)
+        write_back(params, work[0])
+        write_back(momentum_buffers, work[2])
         return
     if weight_decay:
         if foreach:

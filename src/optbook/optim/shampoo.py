@@ -13,7 +13,9 @@ For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
 ``beta2 = 1`` is the paper's running sum; ``beta2 = 0`` keeps no history, and then, with
 ``G = U S V^T`` and ``eps -> 0``, ``L^(-1/4) G R^(-1/4) = U S^(-1/2) U^T U S V^T V S^(-1/2) V^T = U V^T``.
 Inverse fourth roots come from a float64 eigendecomposition, refreshed every
-``precondition_frequency`` steps.
+``precondition_frequency`` steps. For a float16/bfloat16 parameter the statistics, roots and momentum
+are kept in float32 and the update is computed in float32 and rounded into the parameter once (in
+bfloat16, ``L`` drifts by percents from its float64 value within a few hundred steps).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import check_lr, check_matrices, check_number, check_precondition_frequency, check_weight_decay
+from ._functional import LOW_PRECISION
 from .optimizer import BookOptimizer
 
 __all__ = ["Shampoo", "inverse_root", "shampoo"]
@@ -56,6 +59,8 @@ def shampoo(params: list[torch.Tensor], grads: list[torch.Tensor], Ls: list[torc
         lr, beta2, eps, momentum, precondition_frequency, weight_decay: as in :class:`Shampoo`.
     """
     for i, (p, G, L, R, t) in enumerate(zip(params, grads, Ls, Rs, steps)):
+        W = p.float() if p.dtype in LOW_PRECISION else p  # float32 work for float16/bfloat16
+        G = G.to(L.dtype)
         if beta2 == 0.0:  # no history: eps * I + G G^T
             L.copy_(torch.eye(L.shape[0], dtype=L.dtype, device=L.device).mul_(eps)).add_(G @ G.mT)
             R.copy_(torch.eye(R.shape[0], dtype=R.dtype, device=R.device).mul_(eps)).add_(G.mT @ G)
@@ -67,7 +72,9 @@ def shampoo(params: list[torch.Tensor], grads: list[torch.Tensor], Ls: list[torc
         update = L_inv_roots[i] @ G @ R_inv_roots[i]
         if momentum:
             update = momentum_buffers[i].lerp_(update, 1 - momentum)
-        p.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
+        W.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
+        if W is not p:
+            p.copy_(W)
 
 
 class Shampoo(BookOptimizer):
@@ -84,7 +91,8 @@ class Shampoo(BookOptimizer):
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
 
     State per parameter: ``step``, ``L`` ``(m, m)``, ``R`` ``(n, n)``, their inverse roots, and a
-    ``momentum_buffer`` when ``momentum > 0``.
+    ``momentum_buffer`` when ``momentum > 0``; all in float32 for a float16/bfloat16 parameter, else in
+    its dtype.
 
     Raises:
         ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
@@ -120,13 +128,14 @@ class Shampoo(BookOptimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]
+            work = torch.promote_types(p.dtype, torch.float32)  # statistics never in float16/bfloat16
             if not state:
                 m, n = p.shape
                 state["step"] = 0
-                state["L"] = group["eps"] * torch.eye(m, dtype=p.dtype, device=p.device)
-                state["R"] = group["eps"] * torch.eye(n, dtype=p.dtype, device=p.device)
+                state["L"] = group["eps"] * torch.eye(m, dtype=work, device=p.device)
+                state["R"] = group["eps"] * torch.eye(n, dtype=work, device=p.device)
             if group["momentum"] and "momentum_buffer" not in state:  # also when switched on mid-run
-                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=work)
             state["step"] += 1
         states = [self.state[p] for p in params]
         L_inv_roots, R_inv_roots = [s.get("L_inv_root") for s in states], [s.get("R_inv_root") for s in states]

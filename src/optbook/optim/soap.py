@@ -31,6 +31,7 @@ import torch
 
 from ._validation import (check_betas, check_eps, check_lr, check_matrices, check_number, check_precondition_frequency,
                           check_weight_decay)
+from ._functional import in_float32, write_back
 from .optimizer import BookOptimizer
 from .shampoo import MATRIX_HINT
 
@@ -74,7 +75,9 @@ def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
         lr, beta1, beta2, shampoo_beta, eps, precondition_frequency, weight_decay: as in :class:`SOAP`.
     """
-    for i, (p, G, m, v, L, R, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, Ls, Rs, steps)):
+    for i, (p0, G, m0, v0, L, R, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, Ls, Rs, steps)):
+        p, m, v = in_float32([p0, m0, v0])  # float32 work for float16/bfloat16, rounded back once
+        G = G.to(L.dtype)
         if t == 1:
             L.copy_(G @ G.mT)
             R.copy_(G.mT @ G)
@@ -82,16 +85,17 @@ def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
             L.lerp_(G @ G.mT, 1 - shampoo_beta)
             R.lerp_(G.mT @ G, 1 - shampoo_beta)
         if Q_Ls[i] is None:
-            Q_Ls[i], Q_Rs[i] = eigenbasis(L, p.dtype), eigenbasis(R, p.dtype)
+            Q_Ls[i], Q_Rs[i] = eigenbasis(L, L.dtype), eigenbasis(R, R.dtype)
         elif (t - 1) % precondition_frequency == 0:  # each slot of v follows its eigenvector
             v.copy_(v[slot_order(Q_Ls[i], L)][:, slot_order(Q_Rs[i], R)])
-            Q_Ls[i], Q_Rs[i] = eigenbasis(L, p.dtype), eigenbasis(R, p.dtype)
+            Q_Ls[i], Q_Rs[i] = eigenbasis(L, L.dtype), eigenbasis(R, R.dtype)
         QL, QR = Q_Ls[i], Q_Rs[i]
         m.lerp_(G, 1 - beta1)
         v.lerp_((QL.mT @ G @ QR).square_(), 1 - beta2)
         m_hat = (QL.mT @ m @ QR) / (1 - beta1 ** t)
         N = m_hat / (v.div(1 - beta2 ** t).sqrt_().add_(eps))
         p.mul_(1 - lr * weight_decay).sub_(QL @ N @ QR.mT, alpha=lr)
+        write_back([p0, m0, v0], [p, m, v])
 
 
 class SOAP(BookOptimizer):
@@ -106,8 +110,10 @@ class SOAP(BookOptimizer):
         precondition_frequency: refresh the eigenbasis every this many steps (``>= 1``).
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
 
-    State per parameter: ``step``, ``exp_avg`` ``(m, n)``, ``exp_avg_sq`` ``(m, n)``, ``L``, ``Q_L``
-    ``(m, m)``, ``R``, ``Q_R`` ``(n, n)``.
+    State per parameter: ``step``, ``exp_avg`` ``(m, n)``, ``exp_avg_sq`` ``(m, n)`` (the parameter's
+    dtype), ``L``, ``Q_L`` ``(m, m)``, ``R``, ``Q_R`` ``(n, n)`` (float32 for a float16/bfloat16 parameter,
+    else its dtype). For a float16/bfloat16 parameter the step is computed in float32 and ``p``, ``m``,
+    ``v`` are rounded back once.
 
     Raises:
         ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
@@ -149,8 +155,9 @@ class SOAP(BookOptimizer):
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-                state["L"] = p.new_zeros(m, m)  # set to G G^T by the first step
-                state["R"] = p.new_zeros(n, n)
+                work = torch.promote_types(p.dtype, torch.float32)  # statistics never in float16/bfloat16
+                state["L"] = p.new_zeros(m, m, dtype=work)  # set to G G^T by the first step
+                state["R"] = p.new_zeros(n, n, dtype=work)
             state["step"] += 1
         states = [self.state[p] for p in params]
         Q_Ls, Q_Rs = [s.get("Q_L") for s in states], [s.get("Q_R") for s in states]
