@@ -166,3 +166,37 @@ def test_per_head_maxima_are_max_reduced_across_data_parallel_ranks():
         mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True)
         assert results[0][0] == results[1][0] == [(1, 40.0)]
         assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("order", ["big-first", "big-last"])
+def test_max_logit_is_a_running_max_over_every_micro_batch_until_qk_clip_consumes_it(order):
+    # two micro-batches with max logits 50 and 0.5, tau 10: recording only the last forward clipped
+    # nothing when the big one came first, and the logit stayed 50
+    from optbook.models.transformer import CausalSelfAttention
+    attn = CausalSelfAttention(d_model=4, n_heads=1).double().train()
+    with torch.no_grad():
+        attn.q_proj.weight.copy_(torch.eye(4))
+        attn.k_proj.weight.copy_(torch.eye(4))
+    e1 = torch.zeros(1, 2, 4, dtype=torch.float64)
+    e1[..., 0] = 1.0
+    big, small = 10.0 * e1, 1.0 * e1  # logits a^2 / sqrt(d_head) = a^2 / 2: 50 and 0.5
+    batches = [big, small] if order == "big-first" else [small, big]
+    for x in batches:
+        attn(x)
+    assert float(attn.max_logits) == pytest.approx(50.0)
+    report = qk_clip_(attn, tau=10.0)
+    assert attn.max_logits is None and len(report) == 1 and report[0]["s_max"] == pytest.approx(50.0)
+    attn(big)  # recompute on the micro-batch with the largest logit
+    assert float(attn.max_logits) <= 10.0 * (1 + 1e-12)
+
+
+def test_reset_max_logits_starts_a_new_running_max():
+    model = TinyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2).train()
+    idx = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(0))
+    model(idx)
+    first = model.max_logits().clone()
+    model(idx)
+    assert torch.equal(model.max_logits(), first)
+    model.reset_max_logits()
+    with pytest.raises(RuntimeError, match="No max logits"):
+        model.max_logits()

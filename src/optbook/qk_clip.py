@@ -1,8 +1,8 @@
 """Per-head QK-clip (MuonClip). Explained in chapter 8.
 
 Source: seed 000 §6 and Kimi K2 (arXiv:2507.20534, §2.1 and Appendix D/E): after the optimizer
-step, for every head ``h`` with ``S_max^h > tau`` (the largest pre-softmax logit seen in this step's
-forward), the logits are scaled by ``gamma_h = tau / S_max^h`` by rescaling weights:
+step, for every head ``h`` with ``S_max^h > tau`` (the largest pre-softmax logit seen in every
+forward of this step, all micro-batches), the logits are scaled by ``gamma_h = tau / S_max^h`` by rescaling weights:
 
 * MHA: the head's rows of ``W_q`` and ``W_k`` by ``sqrt(gamma_h)`` each (a logit is bilinear in q, k).
 * GQA, one K head shared by a group of Q heads:
@@ -72,8 +72,10 @@ def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor, rows_per_head: int
 def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", process_group=None) -> list[dict]:
     """Clip every attention head of ``model`` whose recorded max logit exceeds ``tau``, in place.
 
-    Call it after ``optimizer.step()``, with the maxima recorded by that step's training forward
-    (:class:`optbook.models.TinyTransformer` records them). The recorded maxima are consumed
+    Call it after ``optimizer.step()``. The maxima it reads are the running maxima the attention
+    layers recorded over every training forward since the last call (every micro-batch of a step with
+    gradient accumulation; :class:`optbook.models.TinyTransformer` records them), so the clip bounds
+    the logits of all of them, not only of the last micro-batch. The recorded maxima are consumed
     (reset to ``None``), so a second call without a new forward raises instead of clipping twice.
 
     Args:

@@ -139,6 +139,8 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
     for step in range(steps):
         inputs, targets = sample(step)
         optimizer.zero_grad(set_to_none=True)
+        if hasattr(model, "reset_max_logits"):  # the maxima are a running max: log this step's forward
+            model.reset_max_logits()
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         loss.backward()

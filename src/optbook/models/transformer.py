@@ -5,9 +5,12 @@ position embeddings, optional tied output head, grouped-query attention (``n_kv_
 ``n_heads``). Every weight is in PyTorch layout ``(out, in)``; the Q, K and V projections are
 separate ``nn.Linear`` layers whose rows are grouped by head (rows ``h*d_head:(h+1)*d_head``).
 
-In training mode each attention layer stores ``max_logits``: a float32 tensor ``(n_heads,)`` with
+In training mode each attention layer keeps ``max_logits``: a float32 tensor ``(n_heads,)`` with
 ``S_max^h = max over batch, query i, key j <= i of q_i . k_j / sqrt(d_head)`` -- taken from the
-logits attention computes anyway (no second pass). Source: seed 000 §6 (Kimi K2's S_max).
+logits attention computes anyway (no second pass) -- as a running maximum over every training
+forward since it was last reset (by :func:`optbook.qk_clip_`, which consumes it, or by
+``reset_max_logits()``): with gradient accumulation the clip sees every micro-batch of the step, not
+only the last one. Source: seed 000 §6 (Kimi K2's S_max).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def _rope(x: torch.Tensor) -> torch.Tensor:
     cos, sin = angles.cos().to(x.dtype).repeat(1, 2), angles.sin().to(x.dtype).repeat(1, 2)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _running_max(recorded: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    """The per-head maximum of ``logits`` ``(B, H, T, T)`` folded into ``recorded`` ``(H,)`` (float32)."""
+    current = logits.detach().amax(dim=(0, 2, 3)).float()
+    return current if recorded is None else torch.maximum(recorded, current)
 
 
 class CausalSelfAttention(nn.Module):
@@ -80,7 +89,7 @@ class CausalSelfAttention(nn.Module):
         v = v.repeat_interleave(group, dim=1)
         logits = _causal_logits((q @ k.transpose(-2, -1)) / math.sqrt(self.d_head))  # (B, H, T, T)
         if self.training:
-            self.max_logits = logits.detach().amax(dim=(0, 2, 3)).float()       # (H,)
+            self.max_logits = _running_max(self.max_logits, logits)              # (H,)
         out = F.softmax(logits, dim=-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -129,7 +138,7 @@ class MultiHeadLatentAttention(nn.Module):
         scores = (q_c @ k_c.transpose(-2, -1) + q_r @ k_r.transpose(-2, -1)) / math.sqrt(d + r)
         logits = _causal_logits(scores)
         if self.training:
-            self.max_logits = logits.detach().amax(dim=(0, 2, 3)).float()
+            self.max_logits = _running_max(self.max_logits, logits)
         out = F.softmax(logits, dim=-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -197,8 +206,14 @@ class TinyTransformer(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [block.attn for block in self.layers]
 
+    def reset_max_logits(self) -> None:
+        """Forget the recorded maxima (the next training forward starts a new running maximum)."""
+        for attn in self.attention_layers():
+            attn.max_logits = None
+
     def max_logits(self) -> torch.Tensor:
-        """``(n_layers, n_heads)`` float32: the last training forward's per-head ``S_max``.
+        """``(n_layers, n_heads)`` float32: the per-head ``S_max``, a running maximum over every training
+        forward since the last :func:`optbook.qk_clip_` or :meth:`reset_max_logits`.
 
         Raises:
             RuntimeError: no training-mode forward has run since the model was built.
