@@ -4,13 +4,17 @@ Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> GELU MLP -> residu
 position embeddings, optional tied output head, grouped-query attention (``n_kv_heads`` divides
 ``n_heads``). Every weight is in PyTorch layout ``(out, in)``; the Q, K and V projections are
 separate ``nn.Linear`` layers whose rows are grouped by head (rows ``h*d_head:(h+1)*d_head``).
+Each attention module describes its heads once, in its ``head_layout``
+(:class:`optbook.models.heads.HeadLayout`), which its forward, per-head Muon
+(:func:`optbook.optim.muon_param_groups`) and :func:`optbook.qk_clip_` all read.
 
 In training mode each attention layer keeps ``max_logits``: a float32 tensor ``(n_heads,)`` with
-``S_max^h = max over batch, query i, key j <= i of q_i . k_j / sqrt(d_head)`` -- taken from the
-logits attention computes anyway (no second pass) -- as a running maximum over every training
+``S_max^h = max over batch, query i, key j <= i`` of head ``h``'s pre-softmax logit -- taken from
+the logits attention computes anyway (no second pass) -- as a running maximum over every training
 forward since it was last reset (by :func:`optbook.qk_clip_`, which consumes it, or by
 ``reset_max_logits()``): with gradient accumulation the clip sees every micro-batch of the step, not
-only the last one. Source: seed 000 §6 (Kimi K2's S_max).
+only the last one. Source: Kimi K2 (arXiv:2507.20534, §2.1, the
+per-head ``S_max``); DeepSeek-V2 (arXiv:2405.04434, §2.1) for multi-head latent attention.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .heads import HeadLayout
 
 __all__ = ["CausalSelfAttention", "MultiHeadLatentAttention", "TinyTransformer"]
 
@@ -55,7 +61,9 @@ class CausalSelfAttention(nn.Module):
         qk_norm: apply RMSNorm over each head's query and key vectors (DeepSeek-V4's alternative to
             QK-clip, chapter 8).
 
-    Input/output ``(batch, seq, d_model)``.
+    Input/output ``(batch, seq, d_model)``. ``head_layout`` (:meth:`HeadLayout.multi_head`) holds
+    ``n_heads``, ``n_kv_heads`` and ``d_head`` (read-only attributes of the module read from it) and
+    which rows of ``q_proj``, ``k_proj``, ``v_proj`` belong to which head.
 
     Raises:
         ValueError: ``d_model`` not divisible by ``n_heads`` or ``n_heads`` by ``n_kv_heads``.
@@ -68,7 +76,7 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"Invalid n_heads: {n_heads} does not divide d_model={d_model}")
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"Invalid n_kv_heads: {n_kv_heads} does not divide n_heads={n_heads}")
-        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_model // n_heads
+        self.head_layout = HeadLayout.multi_head(n_heads, n_kv_heads, d_model // n_heads, qk_norm)
         self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=False)
@@ -77,6 +85,10 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(self.d_head) if qk_norm else None
         self.max_logits: torch.Tensor | None = None
 
+    n_heads = property(lambda self: self.head_layout.n_heads)
+    n_kv_heads = property(lambda self: self.head_layout.n_kv_heads)
+    d_head = property(lambda self: self.head_layout.d_head)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.d_head).transpose(1, 2)
@@ -84,7 +96,7 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        group = self.n_heads // self.n_kv_heads
+        group = self.head_layout.group
         k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
         logits = _causal_logits((q @ k.transpose(-2, -1)) / math.sqrt(self.d_head))  # (B, H, T, T)
@@ -101,13 +113,20 @@ class MultiHeadLatentAttention(nn.Module):
     values come from a compressed latent ``c = W_dkv x`` (``kv_rank`` wide): content key
     ``k_c^h = W_kc^h c`` and value ``v^h = W_v^h c``; one rotary key ``k_r = W_kr x`` is *shared by all
     heads*. The logit is ``(q_c^h . k_c^h + rope(q_r^h) . rope(k_r)) / sqrt(d_head + d_rope)``.
+    Source: DeepSeek-V2 (arXiv:2405.04434, §2.1.2-2.1.3: low-rank key-value compression and the
+    decoupled rotary key); the query here is not compressed.
 
     Args:
         d_model, n_heads: width and heads (``n_heads * d_head == d_model``).
         d_rope: width of the rotary parts (even).
-        kv_rank: width of the compressed key/value latent.
+        kv_rank: width of the compressed key/value latent (default ``d_model // 2``).
 
     Records ``max_logits`` ``(n_heads,)`` in training mode, like :class:`CausalSelfAttention`.
+    ``head_layout`` (:meth:`HeadLayout.latent`) holds ``n_heads``, ``d_head``, ``d_rope``, ``kv_rank``
+    (read-only attributes read from it; ``n_kv_heads == n_heads``) and the row blocks of every projection.
+
+    Raises:
+        ValueError: ``n_heads`` not dividing ``d_model``, odd ``d_rope``, ``kv_rank < 1``.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_rope: int = 8, kv_rank: int | None = None):
@@ -115,8 +134,10 @@ class MultiHeadLatentAttention(nn.Module):
         if d_model % n_heads or d_rope % 2:
             raise ValueError(f"Invalid MLA shape: n_heads={n_heads} must divide d_model={d_model} and d_rope={d_rope} "
                              "must be even")
-        self.n_heads, self.d_head, self.d_rope = n_heads, d_model // n_heads, d_rope
-        kv_rank = kv_rank or d_model // 2
+        kv_rank = d_model // 2 if kv_rank is None else kv_rank
+        if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or kv_rank < 1:
+            raise ValueError(f"Invalid kv_rank: expected an int >= 1, got {kv_rank!r}")
+        self.head_layout = HeadLayout.latent(n_heads, d_model // n_heads, d_rope, kv_rank)
         self.q_c_proj = nn.Linear(d_model, d_model, bias=False)
         self.q_r_proj = nn.Linear(d_model, n_heads * d_rope, bias=False)
         self.kv_down = nn.Linear(d_model, kv_rank, bias=False)
@@ -125,6 +146,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.k_r_proj = nn.Linear(d_model, d_rope, bias=False)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
         self.max_logits: torch.Tensor | None = None
+
+    n_heads = property(lambda self: self.head_layout.n_heads)
+    n_kv_heads = property(lambda self: self.head_layout.n_kv_heads)
+    d_head = property(lambda self: self.head_layout.d_head)
+    d_rope = property(lambda self: self.head_layout.d_rope)
+    kv_rank = property(lambda self: self.head_layout.kv_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
