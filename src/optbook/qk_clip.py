@@ -1,11 +1,14 @@
 """Per-head QK-clip (MuonClip). Explained in chapter 8.
 
-Source: seed 000 §6 and Kimi K2 (arXiv:2507.20534, §2.1 and Appendix D/E): after the optimizer
+Source: Kimi K2 (arXiv:2507.20534, §2.1 and its appendix on QK-clip for MLA): after the optimizer
 step, for every head ``h`` with ``S_max^h > tau`` (the largest pre-softmax logit seen in every
-forward of this step, all micro-batches), the logits are scaled by ``gamma_h = tau / S_max^h`` by rescaling weights:
+forward of this step, all micro-batches), the logits are scaled by ``gamma_h = tau / S_max^h`` by
+rescaling weights. Which rows belong to which head is read from the attention module's
+``head_layout`` (:class:`optbook.models.heads.HeadLayout`), the same description per-head Muon
+(:func:`optbook.optim.muon_param_groups` with ``split="head"``) reads:
 
 * MHA: the head's rows of ``W_q`` and ``W_k`` by ``sqrt(gamma_h)`` each (a logit is bilinear in q, k).
-* GQA, one K head shared by a group of Q heads:
+* GQA and MQA, one K head shared by a group of Q heads:
   - ``gqa_rule="group"`` (Megatron-LM): every head of the group and the shared K head use the
     group's smallest gamma, ``g = min_h gamma_h``: Q rows by ``sqrt(g)``, K rows by ``sqrt(g)``.
     Heads below tau in a clipped group are clipped too (over-clipping).
@@ -14,12 +17,19 @@ forward of this step, all micro-batches), the logits are scaled by ``gamma_h = t
     ``alpha_h * beta = gamma_h``; we take ``beta = sqrt(g)`` (the group minimum, so the most
     clipped head is scaled symmetrically like MHA) and ``alpha_h = gamma_h / sqrt(g)`` (``>= sqrt(g)``).
 * MLA: the head's content parts ``W_qc`` and ``W_kc`` by ``sqrt(gamma_h)``, its rotary query
-  ``W_qr`` by ``gamma_h``; the rotary key, shared by all heads, is never touched.
+  ``W_qr`` by ``gamma_h`` (``alpha_h * beta``); the rotary key, shared by all heads, is never touched.
 
 Heads (GQA: groups) with no logit above tau are left bit-for-bit untouched; V, the output projection
 and every other weight never change. With ``torch.distributed`` initialised, the per-head maxima are
 first all-reduced with MAX over ``process_group`` (default: the whole world), so every data-parallel
 rank clips identically.
+
+What it guarantees: recomputing a layer's logits on the inputs it saw gives ``S_max^h <= tau`` for
+every head (up to the rounding of the scaled weights, a few ulps of their dtype). It acts only
+where the weights it scales set the logits; a layer where they do not -- per-head QK-norm (the
+RMS norm undoes any scale of ``W_q``, ``W_k``; the norm gains set the logits) or a bias on a query/key
+projection (a part of the logit no row scale reaches) -- makes it raise instead of reporting heads
+as clipped.
 """
 
 from __future__ import annotations
@@ -27,16 +37,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .models.transformer import CausalSelfAttention, MultiHeadLatentAttention
+from .models.heads import HeadLayout
 
 __all__ = ["qk_clip_", "qk_clip_factors"]
+
+#: The roles of :class:`~optbook.models.heads.HeadRows` that qk_clip_ rescales.
+CLIPPED_ROLES = ("query", "key", "rotary_query")
 
 
 def qk_clip_factors(max_logits: torch.Tensor, tau: float, n_kv_heads: int | None = None,
                     gqa_rule: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(q_factor, k_factor)`` for one layer: shapes ``(n_heads,)`` and ``(n_kv_heads,)``.
+    """Return ``(q_factor, k_factor)`` for one layer: float64, shapes ``(n_heads,)`` and ``(n_kv_heads,)``.
 
-    For MHA (``n_kv_heads`` None or equal to ``n_heads``) both are ``sqrt(gamma)``. See the module
+    ``max_logits``: the layer's per-head ``S_max``, shape ``(n_heads,)``, any real dtype. For MHA and
+    MLA (``n_kv_heads`` None or equal to ``n_heads``) both are ``sqrt(gamma)``. See the module
     docstring for the GQA rules. Factors are exactly 1 where nothing is clipped.
 
     Raises:
@@ -61,11 +75,51 @@ def qk_clip_factors(max_logits: torch.Tensor, tau: float, n_kv_heads: int | None
     return gamma / k_factor.repeat_interleave(H // n_kv), k_factor
 
 
-def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor, rows_per_head: int) -> None:
-    """Multiply row block ``h`` (``rows_per_head`` rows) of ``weight`` by ``factors[h]``, skipping 1s."""
-    for h, f in enumerate(factors.tolist()):
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that describe their heads (a :class:`HeadLayout` as ``head_layout``), in
+    ``model.modules()`` order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "head_layout", None), HeadLayout)]
+
+
+def clipped_blocks(attn: nn.Module) -> dict[str, list[slice]]:
+    """The row blocks :func:`qk_clip_` rescales in attention module ``attn``: weight name -> one slice per
+    block (query and rotary-query blocks per query head, key blocks per key head), read from
+    ``attn.head_layout``."""
+    return {part.weight: part.slices() for part in attn.head_layout.parts if part.role in CLIPPED_ROLES}
+
+
+def _check_clippable(i: int, attn: nn.Module) -> None:
+    """Raise unless the weights qk_clip_ scales set layer ``i``'s logits (checked before any write)."""
+    layout = attn.head_layout
+    if layout.qk_norm:
+        raise ValueError(f"Invalid model: attention layer {i} RMS-normalises each head's query and key "
+                         "(qk_norm=True), so its logits do not scale with W_q and W_k and qk_clip_ cannot "
+                         "bound them (the norm gains set them); use QK-norm or QK-clip, not both")
+    roles = {part.role for part in layout.parts}
+    if not {"query", "key"} <= roles:
+        raise ValueError(f"Invalid model: the head layout of attention layer {i} has no query or no key part")
+    for weight in layout.weights():
+        if not any(part.role in CLIPPED_ROLES for part in layout.parts_of(weight)):
+            continue
+        try:
+            w = attn.get_parameter(weight)
+        except AttributeError:
+            raise ValueError(f"Invalid model: attention layer {i} has no parameter {weight!r} "
+                             "named by its head layout") from None
+        if w.ndim != 2 or w.shape[0] != layout.rows(weight):
+            raise ValueError(f"Invalid model: {weight} of attention layer {i} has shape {tuple(w.shape)}, "
+                             f"its head layout describes {layout.rows(weight)} rows")
+        owner = attn.get_submodule(weight.rpartition(".")[0])
+        if getattr(owner, "bias", None) is not None:
+            raise ValueError(f"Invalid model: {weight.rpartition('.')[0]} of attention layer {i} has a bias, "
+                             "a part of the logits qk_clip_ does not scale")
+
+
+def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor, blocks: list[slice]) -> None:
+    """Multiply row block ``b`` of ``weight`` by ``factors[b]``, skipping 1s."""
+    for rows, f in zip(blocks, factors.tolist()):
         if f != 1.0:
-            weight[h * rows_per_head:(h + 1) * rows_per_head].mul_(f)
+            weight[rows].mul_(f)
 
 
 @torch.no_grad()
@@ -79,56 +133,67 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
     (reset to ``None``), so a second call without a new forward raises instead of clipping twice.
 
     Args:
-        model: a module containing :class:`CausalSelfAttention` or :class:`MultiHeadLatentAttention`.
-        tau: threshold on ``S_max`` (pre-softmax logit units), ``> 0``; K2 uses 100.
-        gqa_rule: ``"group"`` or ``"per_head"`` (module docstring); ignored for MHA and MLA.
+        model: a module containing attention modules with a ``head_layout``
+            (:class:`~optbook.models.CausalSelfAttention`: MHA, GQA, MQA;
+            :class:`~optbook.models.MultiHeadLatentAttention`: MLA) and their recorded ``max_logits``
+            (float32 or float64, shape ``(n_heads,)``).
+        tau: threshold on ``S_max`` (pre-softmax logit units), a real number ``> 0``; K2 uses 100.
+        gqa_rule: ``"group"`` or ``"per_head"`` (module docstring); no effect for MHA and MLA.
         process_group: group for the MAX all-reduce when ``torch.distributed`` is initialised.
 
     Returns:
         One dict per clipped head: ``layer``, ``head``, ``s_max``, ``gamma`` (``tau / s_max``),
-        ``q_factor`` and ``k_factor`` applied (MLA: the content factor).
+        ``q_factor`` and ``k_factor`` applied (MLA: the content factors; the rotary query gets
+        their product).
 
     Raises:
-        ValueError: ``tau <= 0``; recorded maxima whose length does not match the layer's heads.
+        ValueError: ``tau`` not a real number ``> 0``; unknown ``gqa_rule``; recorded maxima whose
+            length does not match the layer's heads, or that are NaN or infinite; a layer whose logits
+            the scaled weights do not set (``qk_norm=True``, a bias on a scaled projection) or whose
+            weights do not match its head layout.
         RuntimeError: no attention layer, or a layer with no recorded maxima (no training forward).
         Nothing is modified when it raises.
     """
-    if not (isinstance(tau, (int, float)) and tau > 0):
+    if isinstance(tau, bool) or not (isinstance(tau, (int, float)) and tau > 0):
         raise ValueError(f"Invalid tau: expected a number > 0, got {tau!r}")
-    layers = [m for m in model.modules() if isinstance(m, (CausalSelfAttention, MultiHeadLatentAttention))]
+    if gqa_rule not in ("group", "per_head"):
+        raise ValueError(f"Invalid gqa_rule: expected 'group' or 'per_head', got {gqa_rule!r}")
+    layers = attention_layers(model)
     if not layers:
-        raise RuntimeError("qk_clip_ found no attention layer (CausalSelfAttention or MultiHeadLatentAttention)")
+        raise RuntimeError("qk_clip_ found no attention layer (a module with a head_layout: "
+                           "CausalSelfAttention or MultiHeadLatentAttention)")
     plans = []
     for i, attn in enumerate(layers):  # validate everything before touching any weight
         if attn.max_logits is None:
             raise RuntimeError(f"Attention layer {i} recorded no max logits: run a training-mode forward "
                                "before qk_clip_ (and call it once per step)")
-        if attn.max_logits.numel() != attn.n_heads:
+        if attn.max_logits.numel() != attn.head_layout.n_heads:
             raise ValueError(f"Attention layer {i}: {attn.max_logits.numel()} recorded maxima for "
-                             f"{attn.n_heads} heads")
+                             f"{attn.head_layout.n_heads} heads")
+        _check_clippable(i, attn)
         plans.append(attn.max_logits.clone())
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        stacked = torch.stack(plans)
+        stacked = torch.stack([s.double() for s in plans])  # exact for float32 and float64 maxima
         torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX, group=process_group)
         plans = list(stacked)
+    for i, s_max in enumerate(plans):  # after the all-reduce, so every rank raises alike
+        if not torch.isfinite(s_max).all():
+            raise ValueError(f"Attention layer {i} recorded non-finite max logits {s_max.tolist()}: the "
+                             "forward overflowed; skip this step instead of clipping")
 
     report = []
     for i, (attn, s_max) in enumerate(zip(layers, plans)):
         attn.max_logits = None
-        if isinstance(attn, MultiHeadLatentAttention):
-            content, _ = qk_clip_factors(s_max, tau)
-            rotary = content ** 2                                           # gamma on W_qr
-            _scale_rows_(attn.q_c_proj.weight, content, attn.d_head)
-            _scale_rows_(attn.k_c_proj.weight, content, attn.d_head)
-            _scale_rows_(attn.q_r_proj.weight, rotary, attn.d_rope)
-            q_factor, k_factor = content, content
-        else:
-            q_factor, k_factor = qk_clip_factors(s_max, tau, attn.n_kv_heads, gqa_rule)
-            _scale_rows_(attn.q_proj.weight, q_factor, attn.d_head)
-            _scale_rows_(attn.k_proj.weight, k_factor, attn.d_head)
-        group = attn.n_heads // getattr(attn, "n_kv_heads", attn.n_heads)
-        for h in range(attn.n_heads):
+        layout = attn.head_layout
+        q_factor, k_factor = qk_clip_factors(s_max, tau, layout.n_kv_heads, gqa_rule)
+        factors = {"query": q_factor, "key": k_factor,
+                   # the rotary key is shared and untouched: the rotary query carries the whole alpha_h * beta
+                   "rotary_query": q_factor * k_factor.repeat_interleave(layout.group)}
+        for part in layout.parts:
+            if part.role in CLIPPED_ROLES:
+                _scale_rows_(attn.get_parameter(part.weight), factors[part.role], part.slices())
+        for h in range(layout.n_heads):
             if float(s_max[h]) > tau or q_factor[h] != 1.0:
                 report.append(dict(layer=i, head=h, s_max=float(s_max[h]), gamma=min(1.0, tau / float(s_max[h])),
-                                   q_factor=float(q_factor[h]), k_factor=float(k_factor[h // group])))
+                                   q_factor=float(q_factor[h]), k_factor=float(k_factor[layout.kv_head(h)])))
     return report
