@@ -104,9 +104,9 @@ def evaluate(model: nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: Callab
 @dataclass
 class SequenceLog:
     """What :func:`train_sequence_model` recorded: ``losses`` (per step, before the step) and, for
-    models with ``max_logits()``, ``max_logits`` float32 ``(steps, n_layers, n_heads)`` -- the per-head
-    maximum attention logit of each step's forward, before any clipping -- and ``after_step``'s
-    return values in ``extras``."""
+    models with ``max_logits()``, ``max_logits`` ``(steps, n_layers, n_heads)`` (float32; float64 for a
+    float64 model) -- the per-head maximum attention logit of each step's forward, before any
+    clipping -- and ``after_step``'s return values in ``extras``."""
 
     losses: list[float] = field(default_factory=list)
     max_logits: torch.Tensor | None = None

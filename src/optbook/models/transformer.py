@@ -8,12 +8,12 @@ Each attention module describes its heads once, in its ``head_layout``
 (:class:`optbook.models.heads.HeadLayout`), which its forward, per-head Muon
 (:func:`optbook.optim.muon_param_groups`) and :func:`optbook.qk_clip_` all read.
 
-In training mode each attention layer keeps ``max_logits``: a float32 tensor ``(n_heads,)`` with
-``S_max^h = max over batch, query i, key j <= i`` of head ``h``'s pre-softmax logit -- taken from
-the logits attention computes anyway (no second pass) -- as a running maximum over every training
-forward since it was last reset (by :func:`optbook.qk_clip_`, which consumes it, or by
-``reset_max_logits()``): with gradient accumulation the clip sees every micro-batch of the step, not
-only the last one. Source: Kimi K2 (arXiv:2507.20534, §2.1, the
+In training mode each attention layer keeps ``max_logits``: a tensor ``(n_heads,)`` (float32;
+float64 for a float64 model) with ``S_max^h = max over batch, query i, key j <= i`` of head ``h``'s
+pre-softmax logit -- taken from the logits attention computes anyway (no second pass) -- as a
+running maximum over every training forward since it was last reset (by :func:`optbook.qk_clip_`,
+which consumes it, or by ``reset_max_logits()``): with gradient accumulation the clip sees every
+micro-batch of the step, not only the last one. Source: Kimi K2 (arXiv:2507.20534, §2.1, the
 per-head ``S_max``); DeepSeek-V2 (arXiv:2405.04434, §2.1) for multi-head latent attention.
 """
 
@@ -47,8 +47,14 @@ def _rope(x: torch.Tensor) -> torch.Tensor:
 
 
 def _running_max(recorded: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
-    """The per-head maximum of ``logits`` ``(B, H, T, T)`` folded into ``recorded`` ``(H,)`` (float32)."""
-    current = logits.detach().amax(dim=(0, 2, 3)).float()
+    """The per-head maximum of ``logits`` ``(B, H, T, T)`` folded into ``recorded`` ``(H,)``.
+
+    Kept in float32, or in the logits' dtype when that is wider (float64): a float64 model's maxima
+    rounded to float32 could sit 6e-8 (relative) below the true logit, and a clip computed from them
+    would leave the logit that much above tau.
+    """
+    current = logits.detach().amax(dim=(0, 2, 3))
+    current = current.to(torch.promote_types(current.dtype, torch.float32))
     return current if recorded is None else torch.maximum(recorded, current)
 
 
@@ -239,8 +245,9 @@ class TinyTransformer(nn.Module):
             attn.max_logits = None
 
     def max_logits(self) -> torch.Tensor:
-        """``(n_layers, n_heads)`` float32: the per-head ``S_max``, a running maximum over every training
-        forward since the last :func:`optbook.qk_clip_` or :meth:`reset_max_logits`.
+        """``(n_layers, n_heads)`` float32 (float64 for a float64 model): the per-head ``S_max``, a
+        running maximum over every training forward since the last :func:`optbook.qk_clip_` or
+        :meth:`reset_max_logits`.
 
         Raises:
             RuntimeError: no training-mode forward has run since the model was built.
