@@ -205,17 +205,27 @@ class TinyTransformer(nn.Module):
         mlp_ratio: hidden width of the MLP as a multiple of ``d_model``.
         tie_embeddings: share the token embedding with the output head.
         qk_norm: per-head QK RMSNorm in every attention layer.
-        attention: ``"mha"`` (multi-head, GQA when ``n_kv_heads < n_heads``) or ``"mla"``
-            (:class:`MultiHeadLatentAttention`).
+        attention: ``"mha"`` (multi-head, GQA when ``n_kv_heads < n_heads``, MQA when it is 1) or
+            ``"mla"`` (:class:`MultiHeadLatentAttention`: one content key per head, so ``n_kv_heads``
+            None or ``n_heads``, and no ``qk_norm``).
 
     Input: int64 token ids ``(batch, seq)`` with ``seq <= max_seq_len``; output: logits
     ``(batch, seq, vocab_size)``.
+
+    Raises:
+        ValueError: a shape the attention cannot take (see :class:`CausalSelfAttention`), an unknown
+            ``attention``, or ``n_kv_heads``/``qk_norm`` with ``attention="mla"`` (they would be ignored).
     """
 
     def __init__(self, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
                  n_kv_heads: int | None = None, max_seq_len: int = 64, mlp_ratio: int = 4,
                  tie_embeddings: bool = False, qk_norm: bool = False, attention: str = "mha"):
         super().__init__()
+        if attention == "mla" and n_kv_heads not in (None, n_heads):
+            raise ValueError(f"Invalid n_kv_heads: attention='mla' has one content key per head, got "
+                             f"n_kv_heads={n_kv_heads} for n_heads={n_heads}")
+        if attention == "mla" and qk_norm:
+            raise ValueError("Invalid qk_norm: attention='mla' has no QK-norm (it would be ignored)")
         self.max_seq_len = max_seq_len
         self.embed_tokens = nn.Embedding(vocab_size, d_model)
         self.embed_positions = nn.Embedding(max_seq_len, d_model)
