@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .models.heads import HeadLayout
+from .models.heads import attention_modules
 
 __all__ = ["qk_clip_", "qk_clip_factors"]
 
@@ -75,17 +75,16 @@ def qk_clip_factors(max_logits: torch.Tensor, tau: float, n_kv_heads: int | None
     return gamma / k_factor.repeat_interleave(H // n_kv), k_factor
 
 
-def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that describe their heads (a :class:`HeadLayout` as ``head_layout``), in
-    ``model.modules()`` order."""
-    return [m for m in model.modules() if isinstance(getattr(m, "head_layout", None), HeadLayout)]
-
-
 def clipped_blocks(attn: nn.Module) -> dict[str, list[slice]]:
     """The row blocks :func:`qk_clip_` rescales in attention module ``attn``: weight name -> one slice per
     block (query and rotary-query blocks per query head, key blocks per key head), read from
     ``attn.head_layout``."""
-    return {part.weight: part.slices() for part in attn.head_layout.parts if part.role in CLIPPED_ROLES}
+    layout, blocks = attn.head_layout, {}
+    for weight in layout.weights():
+        for part in layout.parts_of(weight):  # a fused weight has several parts
+            if part.role in CLIPPED_ROLES:
+                blocks.setdefault(weight, []).extend(part.slices())
+    return blocks
 
 
 def _check_clippable(i: int, attn: nn.Module) -> None:
@@ -158,7 +157,7 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
         raise ValueError(f"Invalid tau: expected a number > 0, got {tau!r}")
     if gqa_rule not in ("group", "per_head"):
         raise ValueError(f"Invalid gqa_rule: expected 'group' or 'per_head', got {gqa_rule!r}")
-    layers = attention_layers(model)
+    layers = attention_modules(model)
     if not layers:
         raise RuntimeError("qk_clip_ found no attention layer (a module with a head_layout: "
                            "CausalSelfAttention or MultiHeadLatentAttention)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadLayout", "HeadRows", "ROLES"]
+__all__ = ["HeadLayout", "HeadRows", "ROLES", "attention_modules"]
 
 ROLES = ("query", "key", "value", "rotary_query", "rotary_key", "latent")
 
@@ -187,3 +187,10 @@ class HeadLayout:
         if per == "qkv":
             return tuple(part.blocks * part.rows for part in parts)
         return tuple(part.rows for part in parts for _ in range(part.blocks))
+
+
+def attention_modules(model) -> list:
+    """The submodules of ``model`` (an ``nn.Module``) that describe their heads -- a :class:`HeadLayout`
+    as ``head_layout`` -- in ``model.modules()`` order. Both per-head Muon routing and QK-clip find the
+    attention layers with this function."""
+    return [m for m in model.modules() if isinstance(getattr(m, "head_layout", None), HeadLayout)]
