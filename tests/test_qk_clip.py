@@ -1,5 +1,7 @@
-"""QK-clip invariants for MHA, GQA (both rules) and MLA; bad input changes nothing; MAX across ranks."""
+"""QK-clip invariants for MHA, GQA and MQA (both rules) and MLA; bad input changes nothing; MAX across
+ranks."""
 
+import copy
 import os
 import tempfile
 
@@ -200,3 +202,105 @@ def test_reset_max_logits_starts_a_new_running_max():
     model.reset_max_logits()
     with pytest.raises(RuntimeError, match="No max logits"):
         model.max_logits()
+
+
+VARIANTS = {  # every attention the package's models offer, with the GQA rules where they differ
+    "mha": dict(n_heads=4),
+    "gqa": dict(n_heads=4, n_kv_heads=2),
+    "mqa": dict(n_heads=4, n_kv_heads=1),
+    "mla": dict(n_heads=4, attention="mla"),
+}
+# the recomputed logit is gamma * S_max up to the rounding of the scaled weights and of the logit's
+# own dot products (a few ulps): 1e-5 in float32, 1e-12 in float64 (maxima recorded in float32 for a
+# float64 model left it 1e-7 above tau)
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def variant_model(kind, dtype, n_layers, seed):
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size=16, d_model=32, n_layers=n_layers, max_seq_len=16, **VARIANTS[kind])
+    model = model.to(dtype)
+    with torch.no_grad():  # loud: every weight qk_clip_ scales (and the shared rotary key) times 40
+        for attn in model.attention_layers():
+            for part in attn.head_layout.parts:
+                if part.role in ("query", "key", "rotary_query", "rotary_key"):
+                    attn.get_parameter(part.weight).mul_(40.0)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("kind, rule", [("mha", "group"), ("gqa", "group"), ("gqa", "per_head"),
+                                        ("mqa", "group"), ("mqa", "per_head"), ("mla", "group")])
+def test_after_qk_clip_the_recomputed_logits_are_at_most_tau_in_every_head(kind, rule, dtype):
+    for seed in range(3):
+        model = variant_model(kind, dtype, n_layers=2, seed=seed)
+        x = torch.randint(0, 16, (4, 12), generator=torch.Generator().manual_seed(seed))
+        before_s, inputs = recorded_with_inputs(model, x)
+        assert before_s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        tau = float(before_s.median())
+        assert (before_s > tau).any()
+        qk_clip_(model, tau, gqa_rule=rule)
+        after_s = relogits(model, inputs)  # each layer on the input it saw
+        assert (after_s <= tau * (1 + RTOL[dtype])).all(), (after_s.max() / tau - 1).item()
+        clipped = before_s > tau
+        if kind != "gqa" and kind != "mqa" or rule == "per_head":  # each clipped head lands on tau
+            torch.testing.assert_close(after_s[clipped], torch.full_like(after_s[clipped], tau),
+                                       rtol=RTOL[dtype], atol=0)
+
+    # one layer: a full forward on the same batch sees the same layer input, so it is bounded too
+    model = variant_model(kind, dtype, n_layers=1, seed=0)
+    x = batch()
+    tau = float(recorded(model, x).median())
+    qk_clip_(model, tau, gqa_rule=rule)
+    assert (recorded(model, x) <= tau * (1 + RTOL[dtype])).all()
+
+
+def test_qk_norm_logits_do_not_follow_the_weights_qk_clip_scales_so_it_refuses_them():
+    # with per-head QK RMSNorm, W_q and W_k scaled by 0.1 leave the logits as they were: reporting
+    # heads as clipped would be false, so qk_clip_ raises before any write
+    for n_kv in (4, 2):
+        model = TinyTransformer(vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv,
+                                max_seq_len=16, qk_norm=True)
+        s, inputs = recorded_with_inputs(model, batch())
+        scaled = copy.deepcopy(model)
+        with torch.no_grad():
+            for attn in scaled.attention_layers():
+                attn.q_proj.weight.mul_(0.1)
+                attn.k_proj.weight.mul_(0.1)
+        torch.testing.assert_close(relogits(scaled, inputs), s, rtol=1e-3, atol=0)  # RMSNorm eps: not exact
+        before = snapshot(model)
+        with pytest.raises(ValueError, match="qk_norm=True"):
+            qk_clip_(model, tau=0.1 * float(s.min()))
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert all(a.max_logits is not None for a in model.attention_layers())  # not consumed
+
+
+def test_a_bias_on_a_query_or_key_projection_is_refused_before_any_write():
+    model, x = loud_model("gqa"), batch()
+    with torch.no_grad():
+        k_proj = model.layers[1].attn.k_proj
+        biased = torch.nn.Linear(k_proj.in_features, k_proj.out_features, bias=True)
+        biased.weight.copy_(k_proj.weight)
+        model.layers[1].attn.k_proj = biased
+    recorded(model, x)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="k_proj of attention layer 1 has a bias"):
+        qk_clip_(model, tau=TAU)  # layer 0 would clip; nothing may have moved
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_non_finite_maxima_bool_tau_and_unknown_rules_raise_before_any_write():
+    model, x = loud_model("mla"), batch()
+    recorded(model, x)
+    before = snapshot(model)
+    model.layers[1].attn.max_logits = torch.tensor([1.0, float("inf"), 2.0, 3.0])  # gamma 0 would zero W_qc
+    with pytest.raises(ValueError, match="non-finite"):
+        qk_clip_(model, tau=TAU)
+    model.layers[1].attn.max_logits = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    with pytest.raises(ValueError, match="non-finite"):
+        qk_clip_(model, tau=TAU)
+    with pytest.raises(ValueError, match="tau"):
+        qk_clip_(model, tau=True)
+    with pytest.raises(ValueError, match="gqa_rule"):
+        qk_clip_(model, tau=TAU, gqa_rule="mean")  # MLA ignored the rule: a typo passed silently
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
