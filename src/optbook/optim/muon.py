@@ -144,7 +144,8 @@ class Muon(BookOptimizer):
         scale_mode, extra_scale_factor: the update scale (module docstring).
         eps: Newton–Schulz normaliser floor ``> 0``.
         ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
-        head_split: per-group row split before orthogonalisation (:func:`split_rows`).
+        head_split: per-group row split before orthogonalisation (:func:`split_rows`);
+            ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
 
     Blocks of equal shape across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
