@@ -28,6 +28,7 @@ from .optimizer import BookOptimizer
 
 __all__ = ["Shampoo", "inverse_root", "shampoo"]
 
+
 def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
     """``A^(-1/p)`` of a symmetric positive-definite matrix via ``eigh`` in float64; A's dtype back.
 
