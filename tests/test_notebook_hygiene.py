@@ -33,7 +33,7 @@ def test_notebook_is_executed_in_order_and_clean(path):
     asserts = 0
     for i, cell in enumerate(code, start=1):
         source = "".join(cell["source"])
-        asserts += len(re.findall(r"\bassert\b|assert_close", source))
+        asserts += len(re.findall(r"\bassert\b|assert_close|assert_claim", source))
         for out in cell["outputs"]:
             assert out["output_type"] != "error", f"cell {i} stores an error"
             assert not (out["output_type"] == "stream" and out["name"] == "stderr"), f"cell {i} wrote to stderr"
@@ -47,7 +47,8 @@ def test_notebook_is_executed_in_order_and_clean(path):
 # --- Exact and measured outputs (README, "the book on every machine") --------------------------------
 
 SWEEP_DATA = ROOT / "sweeps" / "data"
-CLAIM_NAME = re.compile(r"\bclaim\(\s*\"([^\"{}]+)\"")
+CLAIM_CALL = r"(?:\bclaim|\bassert_claim)\("
+CLAIM_NAME = re.compile(CLAIM_CALL + r"\s*\"([^\"{}]+)\"")
 
 
 def _code(path):
@@ -74,14 +75,14 @@ def test_every_seed_goes_through_the_runtime_and_one_thread_is_used(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_measured_claims_sit_in_cells_that_nbval_does_not_compare(path):
     for i, source in enumerate(_code(path), start=1):
-        if re.search(r"\bclaim\(", source):
+        if re.search(CLAIM_CALL, source):
             assert "NBVAL_IGNORE_OUTPUT" in source, f"code cell {i} asserts a measured claim but its output is compared"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
     names = set(CLAIM_NAME.findall("\n".join(_code(path))))
-    if not any(re.search(r"\bclaim\(", s) for s in _code(path)):
+    if not any(re.search(CLAIM_CALL, s) for s in _code(path)):
         return
     data = SWEEP_DATA / f"{path.stem}.jsonl"
     assert data.is_file(), f"no sweep for {path.name}: run python sweeps/run.py {path.relative_to(ROOT)}"
