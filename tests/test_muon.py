@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optbook import newton_schulz, polar_factor
-from optbook.optim import Muon, muon_scale, split_rows
+from optbook.optim import Muon, muon, muon_scale, split_rows
 
 
 def drive(opts_and_params, shape, steps, seed=0):
@@ -174,3 +174,57 @@ def test_resume_is_bit_identical():
         second.grad = G.clone()
         opt2.step()
     assert torch.equal(second, straight)
+
+
+def _counting(monkeypatch, name):
+    calls, real = [], getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("head_split, batches", [(None, 0), (2, 1), ((1, 3), 0)])
+def test_a_block_whose_shape_no_other_block_shares_is_neither_stacked_nor_concatenated(monkeypatch, head_split,
+                                                                                         batches):
+    # (4, 3) and (6, 5) alone; head_split=2 cuts (4, 3) into two (2, 3) blocks: one stacked batch
+    params = [torch.randn(4, 3, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)]
+    params = params[:1] if head_split else params
+    grads, bufs = [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    stacks, cats = _counting(monkeypatch, "stack"), _counting(monkeypatch, "cat")
+    muon(params, grads, bufs, lr=0.02, momentum=0.95, nesterov=True,
+         weight_decay=0.1, ns_dtype=torch.float64, head_split=head_split)
+    assert cats == [] and len(stacks) == batches
+
+
+def test_block_rows_are_written_back_in_place_as_the_concatenated_update():
+    W = torch.randn(6, 4, dtype=torch.float64)
+    G = torch.randn(6, 4, dtype=torch.float64)
+    expected = W * (1 - 0.02 * 0.1) - 0.02 * torch.cat(
+        [newton_schulz(b, dtype=torch.float64) * muon_scale(b.shape) for b in G.split([2, 4])])
+    muon([W], [G], [torch.zeros_like(W)], lr=0.02, momentum=0.0, nesterov=False, weight_decay=0.1,
+         ns_dtype=torch.float64, head_split=(2, 4))
+    torch.testing.assert_close(W, expected, rtol=0, atol=1e-15)  # lerp(0, G, 1) = G: same inputs, same ops
+
+
+def test_non_finite_check_is_one_reduction_over_every_gradient_of_the_step(monkeypatch):
+    params = [torch.randn(4, 3, requires_grad=True) for _ in range(3)] + [torch.randn(5, 2, requires_grad=True)]
+    opt = Muon([{"params": params[:2]}, {"params": params[2:], "momentum": 0.5}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    norms = _counting(monkeypatch, "_foreach_norm")
+    opt.step()
+    assert len(norms) == 1
+    params[3].grad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"Non-finite gradient in param_groups\[1\]\['params'\]\[1\]"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_sees_every_non_finite_value_and_no_large_finite_one(bad):
+    from optbook.optim.optimizer import all_finite
+    ok = [torch.full((3,), 6e4, dtype=torch.float16), torch.ones(2, 2, dtype=torch.bfloat16),
+          torch.tensor(1e300, dtype=torch.float64), torch.ones(4)]
+    assert all_finite(ok)
+    for i in range(len(ok)):
+        broken = [t.clone() for t in ok]
+        broken[i].view(-1)[-1] = bad
+        assert not all_finite(broken)

@@ -94,3 +94,50 @@ def test_works_with_torch_lr_scheduler_and_closure():
         results.append(losses)
     assert results[0] == pytest.approx(results[1], abs=1e-12)
     assert max_diff(ours, ref) <= TOL
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("amsgrad, maximize", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("ours_cls, torch_cls", [(Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)])
+def test_amsgrad_and_maximize_equal_torch(ours_cls, torch_cls, amsgrad, maximize, foreach):
+    # reference: torch.optim.Adam / AdamW with the same flags, float64, weight decay in both groups and a
+    # schedule; TOL = 1e-12 as above (same formula, ops in another order: a few ulps per step). The second
+    # group switches the flags off, so both code paths run in one step.
+    ours, ref = make_params(), make_params()
+    second = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, amsgrad=False, maximize=False)
+    opt = ours_cls(groups(ours, **second), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize,
+                   foreach=foreach)
+    torch_opt = torch_cls(groups(ref, **second), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize,
+                          foreach=False)
+    schedule = lr_schedule(1e-2)
+    run(opt, ours, STEPS, lr_schedule=schedule)
+    run(torch_opt, ref, STEPS, lr_schedule=schedule)
+    assert max_diff(ours, ref) <= TOL
+    for p, q in zip(ours[:2], ref[:2]):  # the first group ran with the flags
+        if amsgrad:
+            torch.testing.assert_close(opt.state[p]["max_exp_avg_sq"], torch_opt.state[q]["max_exp_avg_sq"],
+                                       rtol=0, atol=TOL)
+    assert all("max_exp_avg_sq" not in opt.state[p] for p in ours[2:])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("cls", [Adam, AdamW])
+def test_maximize_on_g_is_bitwise_minimising_on_minus_g(cls, foreach):
+    # negation is exact, so the two runs do the same arithmetic on the same numbers
+    up, down = make_params(), make_params()
+    opt_up = cls(up, lr=1e-2, weight_decay=0.1, maximize=True, foreach=foreach)
+    opt_down = cls(down, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    for t in range(10):
+        for p, q in zip(up, down):
+            g = torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(t))
+            p.grad, q.grad = g, -g
+        opt_up.step()
+        opt_down.step()
+    assert all(torch.equal(p, q) for p, q in zip(up, down))
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW])
+@pytest.mark.parametrize("kwargs", [dict(amsgrad=1), dict(maximize="yes")])
+def test_amsgrad_and_maximize_must_be_bools(cls, kwargs):
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+        cls(make_params(), **kwargs)

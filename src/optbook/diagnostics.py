@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .models.transformer import CausalSelfAttention, MultiHeadLatentAttention
-from .optim.param_groups import classify_parameters
+from .optim.param_groups import classify_parameters, output_head
 
 __all__ = ["snapshot", "relative_update", "parameter_kind"]
 
@@ -25,10 +25,18 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def parameter_kind(model: nn.Module) -> dict[str, str]:
     """Map each parameter name to ``"attention"``, ``"mlp"``, ``"embedding"``, ``"norm"``, ``"output"``
-    or ``"other"``, by module type and role (never by name)."""
+    or ``"other"``, by module type and role (never by name).
+
+    The ``"output"`` tensors are those of :func:`optbook.optim.param_groups.output_head` (the head
+    :func:`optbook.optim.muon_param_groups` routes to AdamW): ``get_output_embeddings()`` or, for a model
+    without that method, its last ``nn.Linear``. A head tied to the input embedding is an ``"embedding"``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
     inside_attention = {id(p) for m in model.modules() if isinstance(m, ATTENTION_TYPES) for p in m.parameters()}
-    getter = getattr(model, "get_output_embeddings", None)
-    head = {id(p) for p in getter().parameters()} if callable(getter) else set()
+    module = output_head(model)
+    head = {id(p) for p in module.parameters()} if module is not None else set()
     kinds = {}
     for info in classify_parameters(model):
         if info.role == "embedding":

@@ -93,7 +93,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
         raise ValueError(f"Invalid eps: expected > 0, got {eps!r}")
     norm_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(norm_dtype)
-    X = (X / torch.linalg.matrix_norm(X, keepdim=True).clamp_min(eps)).to(dtype)
+    norm = torch.linalg.matrix_norm(X, keepdim=True).clamp_min_(eps)
+    X = (X.div_(norm) if X is not G else X / norm).to(dtype)  # divide in place when G.to made a copy
     tall = G.shape[-2] > G.shape[-1]
     if tall:  # work on the wide orientation: the Gram matrix is min(m, n) squared
         X = X.mT
@@ -107,7 +108,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if tall:
         X = X.mT
-    return X.to(G.dtype).contiguous()
+    if X.dtype == G.dtype:  # (Tensor.to returns X itself for its own dtype, whatever the memory_format)
+        return X.contiguous()
+    return X.to(dtype=G.dtype, memory_format=torch.contiguous_format)  # cast and lay out in one copy
 
 
 def polar_factor(G: torch.Tensor) -> torch.Tensor:

@@ -3,21 +3,22 @@
 ``SGD`` (chapter 1), ``Adam`` (chapter 2), ``AdamW`` and ``weight_decay_param_groups`` (chapter 3),
 ``Adafactor``, ``Lion``, ``Shampoo``, ``SOAP`` (chapter 4),
 ``Muon`` (chapter 6), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7).
-Each class has a pure functional twin (``sgd``, ``adam``) or helper that holds the math.
+Each class has a pure functional twin that holds the math (``sgd``, ``adam``, ``lion``, ``adafactor``,
+``shampoo``, ``soap``, ``muon``), as ``torch.optim`` does; the class gathers state and calls it.
 """
 
-from .adafactor import Adafactor
+from .adafactor import Adafactor, adafactor
 from .adam import Adam, AdamW, adam
 from .chained import ChainedOptimizer
-from .lion import Lion
-from .muon import Muon, muon_scale, split_rows
+from .lion import Lion, lion
+from .muon import Muon, muon, muon_scale, split_rows
 from .optimizer import BookOptimizer
 from .param_groups import ParamInfo, classify_parameters, format_param_groups, weight_decay_param_groups
 from .routing import MuonRouting, muon_param_groups
 from .sgd import SGD, sgd
-from .shampoo import Shampoo
-from .soap import SOAP
+from .shampoo import Shampoo, shampoo
+from .soap import SOAP, soap
 
 __all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo", "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo",
-           "adam", "classify_parameters", "format_param_groups", "muon_param_groups", "muon_scale", "sgd",
-           "split_rows", "weight_decay_param_groups"]
+           "adafactor", "adam", "classify_parameters", "format_param_groups", "lion", "muon", "muon_param_groups",
+           "muon_scale", "sgd", "shampoo", "soap", "split_rows", "weight_decay_param_groups"]

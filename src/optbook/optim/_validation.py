@@ -19,7 +19,7 @@ def _is_real_number(value) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex()
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, (int, float))
 
 
@@ -44,7 +44,9 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
 
 
 def check_lr(lr) -> float:
-    """``lr`` must be a finite number >= 0."""
+    """``lr`` must be a finite number >= 0: a Python number or a one-element real tensor (any shape).
+
+    A tensor ``lr`` is read as ``float(lr)`` by :meth:`BookOptimizer.step`."""
     return check_number("lr", lr, low=0.0)
 
 
@@ -69,6 +71,58 @@ def check_betas(betas) -> tuple[float, float]:
         raise TypeError(f"Invalid betas: expected a pair (beta1, beta2), got {betas!r}")
     return (check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True),
             check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True))
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a ``bool``.
+
+    Raises:
+        TypeError: naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: expected a bool, got {value!r}")
+    return value
+
+
+def check_nesterov(nesterov, momentum: float) -> bool:
+    """``nesterov`` must be a bool, and ``True`` only with ``momentum > 0`` (as ``torch.optim.SGD``)."""
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"Invalid nesterov: expected a bool, got {nesterov!r}")
+    if nesterov and momentum == 0:
+        raise ValueError("Invalid nesterov: nesterov=True needs momentum > 0 (with momentum 0 it is plain "
+                         "SGD, and torch.optim.SGD refuses it too); pass nesterov=False")
+    return nesterov
+
+
+def check_foreach(foreach) -> bool | None:
+    """``foreach`` must be ``None`` (choose by device), ``True`` or ``False``."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"Invalid foreach: expected None, True or False, got {foreach!r}")
+    return foreach
+
+
+def check_precondition_frequency(f) -> int:
+    """``precondition_frequency`` must be an int >= 1 (Shampoo and SOAP)."""
+    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
+    return f
+
+
+def check_matrices(params: Iterable, optimizer: str, hint: str) -> None:
+    """Every tensor in ``params`` must be 2-D (Muon, Shampoo and SOAP update matrices only).
+
+    Args:
+        params: the tensors of one param group (non-tensors are left to ``torch.optim``'s own checks).
+        optimizer: the class name, for the message.
+        hint: where the other tensors should go, appended to the message.
+
+    Raises:
+        ValueError: naming the offending parameter's index and shape.
+    """
+    for i, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and p.ndim != 2:
+            raise ValueError(f"{optimizer} updates 2-D matrices only, but parameter {i} of this group has shape "
+                             f"{tuple(p.shape)}; {hint}")
 
 
 def check_params(params: Iterable[torch.Tensor]) -> None:

@@ -28,7 +28,41 @@ import torch
 from ._validation import check_lr, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Adafactor"]
+__all__ = ["Adafactor", "adafactor"]
+
+
+@torch.no_grad()
+def adafactor(params: list[torch.Tensor], grads: list[torch.Tensor], row_vars: list[torch.Tensor | None],
+              col_vars: list[torch.Tensor | None], variances: list[torch.Tensor | None], steps: list[int], *,
+              lr: float, beta2_decay: float, eps1: float | None, eps2: float, d: float, weight_decay: float) -> None:
+    """Apply one Adafactor step in place (the pure function behind :class:`Adafactor`).
+
+    Args:
+        params, grads: lists of equal-shape tensors, one entry per parameter.
+        row_vars, col_vars: for a factored parameter ``(..., m, n)`` its row ``(..., m, 1)`` and column
+            ``(..., 1, n)`` EMAs, else ``None``; updated in place.
+        variances: for a 0-D/1-D parameter its unfactored EMA (its shape), else ``None``; updated in place.
+        steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
+        lr, beta2_decay, eps1, eps2, d, weight_decay: as in :class:`Adafactor` (``eps1=None``: the
+            parameter dtype's machine epsilon); not re-validated here.
+    """
+    for p, g, r, c, v, t in zip(params, grads, row_vars, col_vars, variances, steps):
+        e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+        one_minus_beta2 = t ** beta2_decay
+        alpha = max(eps2, float(p.norm()) / p.numel() ** 0.5) * min(lr, t ** -0.5)
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        if v is None:  # factored
+            r.lerp_(g.square().mean(dim=-1, keepdim=True), one_minus_beta2)
+            c.lerp_(g.square().mean(dim=-2, keepdim=True), one_minus_beta2)
+            V = r @ c
+            V.div_(r.mean(dim=-2, keepdim=True).clamp(min=e1))
+        else:
+            v.lerp_(g.square(), one_minus_beta2)
+            V = v.clone()
+        U = V.clamp_(min=e1 * e1).rsqrt_().mul_(g)
+        clip = max(1.0, float(U.norm()) / (U.numel() ** 0.5 * d))
+        p.sub_(U, alpha=alpha / clip)
 
 
 class Adafactor(BookOptimizer):
@@ -52,6 +86,9 @@ class Adafactor(BookOptimizer):
         ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "beta2_decay", "eps", "d", "weight_decay")
+
     def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
@@ -69,36 +106,20 @@ class Adafactor(BookOptimizer):
         check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:
-        lr, wd, d = group["lr"], group["weight_decay"], group["d"]
-        eps1_opt, eps2 = group["eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
-            factored = p.ndim >= 2
             if not state:
                 state["step"] = 0
-                if factored:
+                if p.ndim >= 2:  # factored
                     state["row_var"] = p.new_zeros(*p.shape[:-1], 1)
                     state["col_var"] = p.new_zeros(*p.shape[:-2], 1, p.shape[-1])
                 else:
                     state["variance"] = torch.zeros_like(p)
             state["step"] += 1
-            t = state["step"]
-            eps1 = torch.finfo(p.dtype).eps if eps1_opt is None else eps1_opt
-            one_minus_beta2 = t ** group["beta2_decay"]
-            alpha = max(eps2, float(p.norm()) / p.numel() ** 0.5) * min(lr, t ** -0.5)
-            if wd:
-                p.mul_(1 - lr * wd)
-            if factored:
-                state["row_var"].lerp_(g.square().mean(dim=-1, keepdim=True), one_minus_beta2)
-                state["col_var"].lerp_(g.square().mean(dim=-2, keepdim=True), one_minus_beta2)
-                V = state["row_var"] @ state["col_var"]
-                V.div_(state["row_var"].mean(dim=-2, keepdim=True).clamp(min=eps1))
-            else:
-                state["variance"].lerp_(g.square(), one_minus_beta2)
-                V = state["variance"].clone()
-            U = V.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
-            clip = max(1.0, float(U.norm()) / (U.numel() ** 0.5 * d))
-            p.sub_(U, alpha=alpha / clip)
+        states = [self.state[p] for p in params]
+        eps1, eps2 = group["eps"]
+        adafactor(params, [p.grad for p in params], [s.get("row_var") for s in states],
+                  [s.get("col_var") for s in states], [s.get("variance") for s in states],
+                  [s["step"] for s in states], lr=group["lr"], beta2_decay=group["beta2_decay"], eps1=eps1,
+                  eps2=eps2, d=group["d"], weight_decay=group["weight_decay"])

@@ -6,16 +6,19 @@ arXiv:1711.05101, Algorithm 2 (AdamW); seed 000 §2-3, seed 003 "AdamW".
 For one parameter ``p`` with gradient ``g`` at step ``t = 1, 2, ...`` (elementwise; every tensor has
 ``p``'s shape and dtype)::
 
+    g  <- -g                                    (maximize=True: ascend the objective)
     g  <- g + weight_decay * p                  (Adam: coupled L2)
     p  <- p * (1 - lr * weight_decay)           (AdamW: decoupled decay, multiplied by the current lr)
     m  <- lerp(m, g, 1 - beta1)
     v  <- beta2 * v + (1 - beta2) * g * g
+    v  <- v_max <- max(v_max, v)                (amsgrad=True: the denominator never shrinks; v_max from 0)
     p  <- p - lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
 
 ``eps`` sits *outside* the square root, as in Algorithm 1. The last line is evaluated as
 ``p - (lr * c2 / c1) * m / (sqrt(v) + eps * c2)`` with ``c1 = 1 - beta1**t`` and
 ``c2 = sqrt(1 - beta2**t)``: the same number in exact arithmetic, one pass over memory fewer.
-The step count ``t`` is a Python ``int`` per parameter (exact at any length; a low-precision
+AMSGrad is Reddi, Kale & Kumar (2018), arXiv:1904.09237, Algorithm 2, in ``torch.optim.Adam``'s form
+(the maximum of the raw ``v``, bias-corrected afterwards). The step count ``t`` is a Python ``int`` per parameter (exact at any length; a low-precision
 float count would stall at 256 in bf16).
 """
 
@@ -25,7 +28,8 @@ import math
 
 import torch
 
-from ._validation import check_betas, check_eps, check_lr, check_weight_decay
+from ._functional import use_foreach
+from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Adam", "AdamW", "adam"]
@@ -34,7 +38,8 @@ __all__ = ["Adam", "AdamW", "adam"]
 @torch.no_grad()
 def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
          exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, beta1: float, beta2: float,
-         eps: float, weight_decay: float, decoupled_weight_decay: bool, foreach: bool = False) -> None:
+         eps: float, weight_decay: float, decoupled_weight_decay: bool, foreach: bool = False,
+         amsgrad: bool = False, maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
     """Apply one Adam (``decoupled_weight_decay=False``) or AdamW step in place.
 
     Args:
@@ -46,9 +51,19 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The CPU path walks the tensors one
             at a time and reuses one scratch buffer for ``sqrt(v)``, which avoids a fresh allocation
             (and its page faults) per parameter.
+        amsgrad: divide by the running maximum of ``v``, kept in ``max_exp_avg_sqs`` (one tensor per
+            parameter, updated in place; required when ``amsgrad``).
+        maximize: step along ``+g`` (gradient ascent).
+
+    Raises:
+        ValueError: ``amsgrad`` without one ``max_exp_avg_sqs`` tensor per parameter.
     """
     if not params:
         return
+    if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != len(params)):
+        raise ValueError("Invalid max_exp_avg_sqs: amsgrad=True needs one tensor per parameter")
+    if maximize:
+        grads = torch._foreach_neg(grads)
     c1 = [1 - beta1 ** t for t in steps]
     c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
     if weight_decay and decoupled_weight_decay:
@@ -64,7 +79,11 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        if amsgrad:
+            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+            denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+        else:
+            denoms = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_add_(denoms, [eps * c for c in c2])
         torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * b / a for a, b in zip(c1, c2)])
         return
@@ -73,9 +92,11 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
     for v in exp_avg_sqs:
         sizes[v.device, v.dtype] = max(sizes.get((v.device, v.dtype), 0), v.numel())
     scratch = {key: torch.empty(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
-    for p, g, m, v, a, b in zip(params, grads, exp_avgs, exp_avg_sqs, c1, c2):
+    for i, (p, g, m, v, a, b) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, c1, c2)):
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if amsgrad:
+            v = torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
         out = scratch[v.device, v.dtype][: v.numel()].view_as(v) if v.is_contiguous() else None
         denom = torch.sqrt(v, out=out)
         denom.add_(eps * b)
@@ -84,10 +105,13 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
 
 class _AdamBase(BookOptimizer):
     _decoupled: bool
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 foreach: bool | None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+                 amsgrad: bool, maximize: bool, foreach: bool | None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -95,9 +119,13 @@ class _AdamBase(BookOptimizer):
         check_betas(group["betas"])
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
+        check_bool("amsgrad", group["amsgrad"])
+        check_bool("maximize", group["maximize"])
+        check_foreach(group["foreach"])
 
     def _step_group(self, group: dict) -> None:
-        params, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs = [], [], [], [], []
+        amsgrad = group["amsgrad"]
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -106,18 +134,21 @@ class _AdamBase(BookOptimizer):
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if amsgrad and "max_exp_avg_sq" not in state:  # also when amsgrad is switched on mid-run
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             params.append(p)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = bool(params) and all(p.is_cuda for p in params)
+            if amsgrad:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+        foreach = use_foreach(group["foreach"], params)
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-             decoupled_weight_decay=self._decoupled, foreach=foreach)
+             decoupled_weight_decay=self._decoupled, foreach=foreach, amsgrad=amsgrad,
+             maximize=group["maximize"], max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
 
 
 _ARGS_DOC = """
@@ -127,37 +158,42 @@ _ARGS_DOC = """
         betas: EMA coefficients ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)`` (outside the root), ``> 0``.
         weight_decay: ``lambda >= 0``; {wd}
+        amsgrad: divide by the running maximum of ``v`` (AMSGrad, Reddi et al. 2018), as
+            ``torch.optim.{name}(amsgrad=True)``.
+        maximize: maximise the objective (step along ``+g``), as ``torch.optim.{name}(maximize=True)``.
         foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
             picks it when every parameter of the group is on a CUDA device.
 
     State per parameter: ``step`` (``int``), ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape
-    and dtype). A parameter whose ``grad`` is ``None`` is skipped entirely (no decay, no count).
+    and dtype), and ``max_exp_avg_sq`` (same) when ``amsgrad``. A parameter whose ``grad`` is ``None`` is skipped entirely (no decay, no count).
 
     Raises:
         ValueError: ``lr < 0``, a beta outside ``[0, 1)``, ``eps <= 0``, ``weight_decay < 0``,
             non-finite values; a gradient of another shape or device.
-        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
+            ``amsgrad`` or ``maximize`` not a bool, ``foreach`` not ``None``/``True``/``False``.
 """
-
 
 class Adam(_AdamBase):
     __doc__ = ("Adam (Kingma & Ba 2015, Algorithm 1) with optional coupled L2 weight decay.\n"
-               + _ARGS_DOC.format(wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
+               + _ARGS_DOC.format(name="Adam", wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
                                      "rescaled by the adaptive denominator (chapter 3, Prop. 2)."))
     _decoupled = False
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, foreach: bool | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, foreach)
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False,
+                 *, foreach: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach)
 
 
 class AdamW(_AdamBase):
     __doc__ = ("AdamW (Loshchilov & Hutter 2019, Algorithm 2) in PyTorch's parametrisation.\n"
-               + _ARGS_DOC.format(wd="decoupled: ``p *= 1 - lr * lambda`` before the Adam update, "
+               + _ARGS_DOC.format(name="AdamW", wd="decoupled: ``p *= 1 - lr * lambda`` before the Adam update, "
                                      "so the decay follows the (scheduled) lr; equals "
                                      "``torch.optim.AdamW``'s ``weight_decay``."))
     _decoupled = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, foreach: bool | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, foreach)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
+                 *, foreach: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach)

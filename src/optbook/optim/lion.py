@@ -19,7 +19,23 @@ import torch
 from ._validation import check_betas, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Lion"]
+__all__ = ["Lion", "lion"]
+
+
+@torch.no_grad()
+def lion(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *, lr: float,
+         beta1: float, beta2: float, weight_decay: float) -> None:
+    """Apply one Lion step in place (the pure function behind :class:`Lion`).
+
+    Args:
+        params, grads, exp_avgs: lists of equal-shape tensors, one entry per parameter; ``exp_avgs``
+            (the momentum ``m``) is updated in place.
+        lr, beta1, beta2, weight_decay: as in :class:`Lion`; not re-validated here.
+    """
+    for p, g, m in zip(params, grads, exp_avgs):
+        direction = m.lerp(g, 1 - beta1).sign_()
+        p.mul_(1 - lr * weight_decay).sub_(direction, alpha=lr)
+        m.lerp_(g, 1 - beta2)
 
 
 class Lion(BookOptimizer):
@@ -38,6 +54,9 @@ class Lion(BookOptimizer):
         ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "weight_decay")
+
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.95, 0.98),
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -48,15 +67,10 @@ class Lion(BookOptimizer):
         check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            m = state["exp_avg"]
-            direction = m.lerp(p.grad, 1 - beta1).sign_()
-            p.mul_(1 - lr * wd).sub_(direction, alpha=lr)
-            m.lerp_(p.grad, 1 - beta2)
+        lion(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params], lr=group["lr"],
+             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])

@@ -28,12 +28,15 @@ from collections.abc import Sequence
 import torch
 
 from ..newton_schulz import newton_schulz, ns_schedule
-from ._validation import check_lr, check_momentum, check_number, check_weight_decay
+from ._functional import momentum_directions
+from ._validation import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Muon", "SCALE_MODES", "muon_scale", "split_rows"]
+__all__ = ["Muon", "SCALE_MODES", "muon", "muon_scale", "split_rows"]
 
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
+#: The dtypes Newton–Schulz may iterate in.
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
@@ -67,6 +70,7 @@ def split_rows(rows: int, head_split) -> list[int]:
 
     Raises:
         ValueError: the blocks do not tile the rows exactly.
+        TypeError: ``head_split`` is neither ``None``, an int nor a sequence of integers.
     """
     if head_split is None:
         return [rows]
@@ -74,10 +78,56 @@ def split_rows(rows: int, head_split) -> list[int]:
         if head_split < 1 or rows % head_split:
             raise ValueError(f"Invalid head_split: {head_split} heads do not divide the {rows} rows")
         return [rows // head_split] * head_split
-    sizes = [int(s) for s in head_split]
+    try:
+        sizes = [int(s) for s in head_split]
+    except (TypeError, ValueError):
+        raise TypeError(f"Invalid head_split: expected None, an int or a sequence of row counts, "
+                        f"got {head_split!r}") from None
     if any(s < 1 for s in sizes) or sum(sizes) != rows:
         raise ValueError(f"Invalid head_split: block sizes {sizes} must be positive and sum to the {rows} rows")
     return sizes
+
+
+@torch.no_grad()
+def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
+         momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
+         scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
+         ns_dtype: torch.dtype = torch.bfloat16, head_split=None) -> None:
+    """Apply one Muon step in place (the pure function behind :class:`Muon`).
+
+    Args:
+        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
+            parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
+        lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
+            eps, ns_dtype, head_split: as in :class:`Muon`; not re-validated here.
+
+    Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call; a block
+    whose shape no other block shares is passed as it is (no stack), and every orthogonalised block is
+    subtracted straight from its rows of the parameter (no concatenation).
+    """
+    if not params:
+        return
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+
+    # cut into row blocks (views), gather equal shapes, orthogonalise each shape in one call: a shape
+    # held by several blocks is stacked into one batch, a shape held by one block goes in as it is
+    blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
+    by_shape = defaultdict(list)
+    for i, bs in enumerate(blocks):
+        for j, b in enumerate(bs):
+            by_shape[tuple(b.shape)].append((i, j))
+    for shape, where in by_shape.items():
+        batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
+        O = newton_schulz(batch, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
+        for k, (i, j) in enumerate(where):
+            blocks[i][j] = O if len(where) == 1 else O[k]
+    for p, bs in zip(params, blocks):
+        p.mul_(1 - lr * weight_decay)
+        row = 0
+        for b in bs:  # each block straight into its rows of p: no concatenated copy
+            p.narrow(0, row, b.shape[0]).sub_(b, alpha=lr)
+            row += b.shape[0]
 
 
 class Muon(BookOptimizer):
@@ -87,12 +137,13 @@ class Muon(BookOptimizer):
         params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
         lr: learning rate ``>= 0`` (0.02 is Keller's default with ``shape_scaling``).
         momentum: EMA coefficient in ``[0, 1)``.
-        nesterov: use ``lerp(G, M, momentum)`` as the direction.
+        nesterov: use ``lerp(G, M, momentum)`` as the direction; needs ``momentum > 0`` (pass
+            ``nesterov=False`` with ``momentum=0``).
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr`` (Moonlight eq. 3).
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
         eps: Newton–Schulz normaliser floor ``> 0``.
-        ns_dtype: dtype of the iteration (bf16 by default).
+        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
         head_split: per-group row split before orthogonalisation (:func:`split_rows`).
 
     Blocks of equal shape across the group are orthogonalised in one batched call.
@@ -101,9 +152,13 @@ class Muon(BookOptimizer):
     Raises:
         ValueError: a parameter that is not 2-D (the message names its shape and points to
             ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
-            rows, or a non-finite gradient (raised before anything changes: skip such a step,
-            chapter 11). TypeError: as for every optimizer of :mod:`optbook.optim`.
+            rows (also when a group's ``head_split`` is edited later: checked at every step), or a
+            non-finite gradient (raised before anything changes: skip such a step, chapter 11).
+        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
+
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "momentum", "weight_decay", "extra_scale_factor", "eps")
 
     refuse_nonfinite_grads = True
 
@@ -120,53 +175,36 @@ class Muon(BookOptimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group = {**self.defaults, **param_group}
-        for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and p.ndim != 2:
-                raise ValueError(
-                    f"Muon updates 2-D matrices only, but parameter {i} of this group has shape {tuple(p.shape)}; "
-                    "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
-                    "optbook.optim.muon_param_groups(model)")
+        check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
+                                       "optbook.optim.muon_param_groups(model)")
+        for p in params:
             if isinstance(p, torch.Tensor):
                 split_rows(p.shape[0], group["head_split"])
         super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
-        check_momentum(group["momentum"])
+        momentum = check_momentum(group["momentum"])
         check_weight_decay(group["weight_decay"])
         check_number("extra_scale_factor", group["extra_scale_factor"])
         check_number("eps", group["eps"], low=0.0, low_open=True)
         ns_schedule(group["coefficients"], group["ns_steps"])
         muon_scale((1, 1), group["scale_mode"])
-        if not isinstance(group["nesterov"], bool):
-            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        check_nesterov(group["nesterov"], momentum)
+        if group["ns_dtype"] not in NS_DTYPES:
+            raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
+                            f"supports), got {group['ns_dtype']!r}")
+        for p in group["params"]:  # head_split may have been edited since the group was added
+            if isinstance(p, torch.Tensor) and p.ndim == 2:
+                split_rows(p.shape[0], group["head_split"])
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        directions = []
         for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            m = state["momentum_buffer"]
-            m.lerp_(p.grad, 1 - momentum)
-            directions.append(p.grad.lerp(m, momentum) if group["nesterov"] else m)
-
-        # cut into row blocks, gather equal shapes, orthogonalise each shape in one batched call
-        blocks = [list(d.split(split_rows(d.shape[0], group["head_split"]), dim=0)) for d in directions]
-        by_shape = defaultdict(list)
-        for i, bs in enumerate(blocks):
-            for j, b in enumerate(bs):
-                by_shape[tuple(b.shape)].append((i, j))
-        for shape, where in by_shape.items():
-            O = newton_schulz(torch.stack([blocks[i][j] for i, j in where]), steps=group["ns_steps"],
-                              coefficients=group["coefficients"], eps=group["eps"], dtype=group["ns_dtype"])
-            O.mul_(muon_scale(shape, group["scale_mode"], group["extra_scale_factor"]))
-            for k, (i, j) in enumerate(where):
-                blocks[i][j] = O[k]
-        for p, bs in zip(params, blocks):
-            p.mul_(1 - lr * wd)
-            p.sub_(torch.cat(bs, dim=0), alpha=lr)
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        muon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+             lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+             weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+             scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
+             ns_dtype=group["ns_dtype"], head_split=group["head_split"])

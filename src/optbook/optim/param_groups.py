@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ParamInfo", "classify_parameters", "weight_decay_param_groups", "format_param_groups"]
+__all__ = ["ParamInfo", "classify_parameters", "output_head", "weight_decay_param_groups", "format_param_groups"]
 
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
               nn.modules.batchnorm._NormBase)
@@ -55,6 +55,28 @@ def _role(module: nn.Module, attr: str, p: torch.Tensor) -> str:
     if p is getattr(module, "bias", None) and p.ndim < 2:
         return "bias"
     return "matrix" if p.ndim >= 2 else "vector"
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The module that maps the last hidden state to the outputs (logits), or ``None``.
+
+    It is ``model.get_output_embeddings()`` when the model defines that method (the Hugging Face
+    convention; :class:`optbook.models.TinyTransformer` does, and a model may return ``None`` there to
+    say it has no head), otherwise the last ``nn.Linear`` registered in the model (the classifier of
+    an ``nn.Sequential`` MLP), otherwise ``None``. Parameter routing (:func:`optbook.optim.muon_param_groups`)
+    and the per-role diagnostics (:func:`optbook.diagnostics.parameter_kind`) both ask this function,
+    so they always agree on which tensors are the head.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Invalid model: expected an nn.Module, got {type(model).__name__}")
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        return getter()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
 
 
 def classify_parameters(model: nn.Module) -> list[ParamInfo]:

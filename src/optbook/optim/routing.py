@@ -4,9 +4,9 @@ Source: seed 000 §5.5 (Muon only for hidden 2-D weights; embeddings, output hea
 biases and every non-2-D tensor to AdamW), seed 003 "Muon" (routing is part of the algorithm).
 
 Decided by module type and tensor role (:func:`classify_parameters`), never by name. The output
-head is the module returned by ``model.get_output_embeddings()`` when the model defines it
-(the Hugging Face convention; :class:`optbook.models.TinyTransformer` does), otherwise the last
-``nn.Linear`` registered in the model. A head tied to the input embedding is an embedding.
+head is :func:`optbook.optim.param_groups.output_head`: ``model.get_output_embeddings()`` when the
+model defines it (the Hugging Face convention; :class:`optbook.models.TinyTransformer` does), otherwise
+the last ``nn.Linear`` registered in the model. A head tied to the input embedding is an embedding.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .param_groups import NO_DECAY_ROLES, classify_parameters
+from .param_groups import NO_DECAY_ROLES, classify_parameters, output_head
 
 __all__ = ["MuonRouting", "muon_param_groups"]
 
@@ -39,14 +39,6 @@ class MuonRouting:
         return "\n".join(lines)
 
 
-def _output_head(model: nn.Module) -> nn.Module | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        return getter()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
-
-
 def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weight_decay: float | None = None,
                       muon_options: dict | None = None, adamw_options: dict | None = None) -> MuonRouting:
     """Route ``model``'s parameters: 2-D hidden weights to Muon, everything else to AdamW.
@@ -65,7 +57,7 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
     """
-    head = _output_head(model)
+    head = output_head(model)
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     muon, adamw_decay, adamw_plain, reasons = [], [], [], {}

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_lr, check_momentum, check_weight_decay
+from ._functional import momentum_directions, use_foreach
+from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["SGD", "sgd"]
@@ -40,28 +41,17 @@ def sgd(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers:
     """
     if not params:
         return
-    if foreach:
-        if weight_decay:
+    if weight_decay:
+        if foreach:
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
-        if momentum:
-            torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
-            if nesterov:
-                directions = torch._foreach_lerp(grads, momentum_buffers, momentum)
-            else:
-                directions = momentum_buffers
         else:
-            directions = grads
+            grads = [g.add(p, alpha=weight_decay) for p, g in zip(params, grads)]
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov, foreach=foreach) if momentum else grads
+    if foreach:
         torch._foreach_add_(params, directions, alpha=-lr)
-        return
-    for p, g, m in zip(params, grads, momentum_buffers):
-        if weight_decay:
-            g = g.add(p, alpha=weight_decay)
-        if momentum:
-            m.lerp_(g, 1 - momentum)
-            d = g.lerp(m, momentum) if nesterov else m
-        else:
-            d = g
-        p.add_(d, alpha=-lr)
+    else:
+        for p, d in zip(params, directions):
+            p.add_(d, alpha=-lr)
 
 
 class SGD(BookOptimizer):
@@ -71,7 +61,8 @@ class SGD(BookOptimizer):
         params: iterable of real floating-point tensors or of param-group dicts.
         lr: learning rate (units of the parameter per unit of the EMA'd gradient), ``>= 0``.
         momentum: EMA coefficient ``mu`` in ``[0, 1)``; 0 gives plain SGD and allocates no state.
-        nesterov: use ``lerp(g, m, mu)`` as the direction instead of ``m``.
+        nesterov: use ``lerp(g, m, mu)`` as the direction instead of ``m``; needs ``momentum > 0``
+            (as ``torch.optim.SGD``).
         weight_decay: coupled L2 coefficient ``>= 0`` added to the gradient.
         foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
             picks it when every parameter of the group is on a CUDA device.
@@ -81,9 +72,13 @@ class SGD(BookOptimizer):
 
     Raises:
         ValueError: ``lr < 0``, ``momentum`` outside ``[0, 1)``, ``weight_decay < 0``, non-finite
-            values; a gradient of another shape or device.
-        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype.
+            values, ``nesterov=True`` with ``momentum=0``; a gradient of another shape or device.
+        TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
+            ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """
+
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "momentum", "weight_decay")
 
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, *, foreach: bool | None = None):
@@ -93,10 +88,10 @@ class SGD(BookOptimizer):
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
-        check_momentum(group["momentum"])
+        momentum = check_momentum(group["momentum"])
         check_weight_decay(group["weight_decay"])
-        if not isinstance(group["nesterov"], bool):
-            raise TypeError(f"Invalid nesterov: expected a bool, got {group['nesterov']!r}")
+        check_nesterov(group["nesterov"], momentum)
+        check_foreach(group["foreach"])
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -107,8 +102,6 @@ class SGD(BookOptimizer):
             if momentum and "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buffers.append(state.get("momentum_buffer"))
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = bool(params) and all(p.is_cuda for p in params)
         sgd(params, [p.grad for p in params], buffers, lr=group["lr"], momentum=momentum,
-            nesterov=group["nesterov"], weight_decay=group["weight_decay"], foreach=foreach)
+            nesterov=group["nesterov"], weight_decay=group["weight_decay"],
+            foreach=use_foreach(group["foreach"], params))

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_lr, check_number, check_weight_decay
+from ._validation import check_lr, check_matrices, check_number, check_precondition_frequency, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Shampoo", "inverse_root"]
+__all__ = ["Shampoo", "inverse_root", "shampoo"]
 
-
-def check_precondition_frequency(f) -> int:
-    """``precondition_frequency`` must be an int >= 1 (shared by Shampoo and SOAP)."""
-    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
-    return f
+#: Where the error for a non-matrix parameter sends it (Shampoo and SOAP).
+MATRIX_HINT = ("give 0-D/1-D/3-D tensors to AdamW (e.g. via optbook.optim.muon_param_groups) or reshape them")
 
 
 def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
@@ -43,6 +39,37 @@ def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
     return ((Q * lam.pow(-1.0 / p)) @ Q.mT).to(A.dtype)
 
 
+@torch.no_grad()
+def shampoo(params: list[torch.Tensor], grads: list[torch.Tensor], Ls: list[torch.Tensor], Rs: list[torch.Tensor],
+            L_inv_roots: list[torch.Tensor | None], R_inv_roots: list[torch.Tensor | None],
+            momentum_buffers: list[torch.Tensor | None], steps: list[int], *, lr: float, beta2: float, eps: float,
+            momentum: float, precondition_frequency: int, weight_decay: float) -> None:
+    """Apply one Shampoo step in place (the pure function behind :class:`Shampoo`).
+
+    Args:
+        params, grads: lists of ``(m, n)`` tensors, one entry per parameter.
+        Ls, Rs: the statistics ``(m, m)`` and ``(n, n)``, updated in place.
+        L_inv_roots, R_inv_roots: the inverse fourth roots in use; at steps ``1, 1 + f, 1 + 2f, ...``
+            (``f = precondition_frequency``) the entry is *replaced in the list* by a fresh root.
+        momentum_buffers: one ``(m, n)`` EMA per parameter when ``momentum > 0`` (else ignored).
+        steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
+        lr, beta2, eps, momentum, precondition_frequency, weight_decay: as in :class:`Shampoo`.
+    """
+    for i, (p, G, L, R, t) in enumerate(zip(params, grads, Ls, Rs, steps)):
+        if beta2 == 0.0:  # no history: eps * I + G G^T
+            L.copy_(torch.eye(L.shape[0], dtype=L.dtype, device=L.device).mul_(eps)).add_(G @ G.mT)
+            R.copy_(torch.eye(R.shape[0], dtype=R.dtype, device=R.device).mul_(eps)).add_(G.mT @ G)
+        else:
+            L.mul_(beta2).add_(G @ G.mT)
+            R.mul_(beta2).add_(G.mT @ G)
+        if (t - 1) % precondition_frequency == 0:
+            L_inv_roots[i], R_inv_roots[i] = inverse_root(L), inverse_root(R)
+        update = L_inv_roots[i] @ G @ R_inv_roots[i]
+        if momentum:
+            update = momentum_buffers[i].lerp_(update, 1 - momentum)
+        p.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
+
+
 class Shampoo(BookOptimizer):
     """Shampoo for 2-D parameters (pair it with AdamW for the rest, as with Muon).
 
@@ -51,7 +78,8 @@ class Shampoo(BookOptimizer):
         lr: learning rate ``>= 0``.
         beta2: preconditioner accumulation in ``[0, 1]``: 1 sums (paper), 0 keeps no history.
         eps: initial diagonal ``eps * I`` of ``L`` and ``R`` (and the ridge without history), ``> 0``.
-        momentum: EMA momentum on the preconditioned update, in ``[0, 1)``.
+        momentum: EMA momentum on the preconditioned update, in ``[0, 1)``; a group may switch it
+            on mid-run (the buffer then starts at zero).
         precondition_frequency: recompute the inverse roots every this many steps (``>= 1``).
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
 
@@ -64,6 +92,9 @@ class Shampoo(BookOptimizer):
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "beta2", "eps", "momentum", "weight_decay")
+
     refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,
@@ -74,11 +105,7 @@ class Shampoo(BookOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and p.ndim != 2:
-                raise ValueError(f"{type(self).__name__} preconditions 2-D matrices only, but parameter {i} has shape "
-                                 f"{tuple(p.shape)}; give 0-D/1-D/3-D tensors to AdamW (e.g. via "
-                                 "optbook.optim.muon_param_groups) or reshape them")
+        check_matrices(params, "Shampoo", MATRIX_HINT)
         super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -90,29 +117,22 @@ class Shampoo(BookOptimizer):
         check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:
-        lr, beta2, eps = group["lr"], group["beta2"], group["eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            G, state = p.grad, self.state[p]
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
             if not state:
                 m, n = p.shape
                 state["step"] = 0
-                state["L"] = eps * torch.eye(m, dtype=p.dtype, device=p.device)
-                state["R"] = eps * torch.eye(n, dtype=p.dtype, device=p.device)
-                if group["momentum"]:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                state["L"] = group["eps"] * torch.eye(m, dtype=p.dtype, device=p.device)
+                state["R"] = group["eps"] * torch.eye(n, dtype=p.dtype, device=p.device)
+            if group["momentum"] and "momentum_buffer" not in state:  # also when switched on mid-run
+                state["momentum_buffer"] = torch.zeros_like(p)
             state["step"] += 1
-            L, R = state["L"], state["R"]
-            if beta2 == 0.0:  # no history: eps * I + G G^T
-                L.copy_(torch.eye(L.shape[0], dtype=L.dtype, device=L.device).mul_(eps)).add_(G @ G.mT)
-                R.copy_(torch.eye(R.shape[0], dtype=R.dtype, device=R.device).mul_(eps)).add_(G.mT @ G)
-            else:
-                L.mul_(beta2).add_(G @ G.mT)
-                R.mul_(beta2).add_(G.mT @ G)
-            if (state["step"] - 1) % group["precondition_frequency"] == 0:
-                state["L_inv_root"], state["R_inv_root"] = inverse_root(L), inverse_root(R)
-            update = state["L_inv_root"] @ G @ state["R_inv_root"]
-            if group["momentum"]:
-                update = state["momentum_buffer"].lerp_(update, 1 - group["momentum"])
-            p.mul_(1 - lr * group["weight_decay"]).sub_(update, alpha=lr)
+        states = [self.state[p] for p in params]
+        L_inv_roots, R_inv_roots = [s.get("L_inv_root") for s in states], [s.get("R_inv_root") for s in states]
+        shampoo(params, [p.grad for p in params], [s["L"] for s in states], [s["R"] for s in states],
+                L_inv_roots, R_inv_roots, [s.get("momentum_buffer") for s in states], [s["step"] for s in states],
+                lr=group["lr"], beta2=group["beta2"], eps=group["eps"], momentum=group["momentum"],
+                precondition_frequency=group["precondition_frequency"], weight_decay=group["weight_decay"])
+        for s, L_inv_root, R_inv_root in zip(states, L_inv_roots, R_inv_roots):
+            s["L_inv_root"], s["R_inv_root"] = L_inv_root, R_inv_root

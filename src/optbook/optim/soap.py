@@ -21,13 +21,51 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_betas, check_eps, check_lr, check_number, check_weight_decay
-from .shampoo import Shampoo, check_precondition_frequency
+from ._validation import (check_betas, check_eps, check_lr, check_matrices, check_number, check_precondition_frequency,
+                          check_weight_decay)
+from .optimizer import BookOptimizer
+from .shampoo import MATRIX_HINT
 
-__all__ = ["SOAP"]
+__all__ = ["SOAP", "soap"]
 
 
-class SOAP(Shampoo):
+@torch.no_grad()
+def soap(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+         exp_avg_sqs: list[torch.Tensor], Ls: list[torch.Tensor], Rs: list[torch.Tensor],
+         Q_Ls: list[torch.Tensor | None], Q_Rs: list[torch.Tensor | None], steps: list[int], *, lr: float,
+         beta1: float, beta2: float, shampoo_beta: float, eps: float, precondition_frequency: int,
+         weight_decay: float) -> None:
+    """Apply one SOAP step in place (the pure function behind :class:`SOAP`).
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs: lists of ``(m, n)`` tensors, one entry per parameter;
+            ``exp_avgs`` (original basis) and ``exp_avg_sqs`` (rotated basis) are updated in place.
+        Ls, Rs: the statistics ``(m, m)`` and ``(n, n)``, updated in place (set to the first
+            gradient's ``G G^T``, ``G^T G`` at step 1).
+        Q_Ls, Q_Rs: the eigenbases in use; at steps ``1, 1 + f, ...`` (``f = precondition_frequency``)
+            the entry is *replaced in the list* by a fresh basis.
+        steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
+        lr, beta1, beta2, shampoo_beta, eps, precondition_frequency, weight_decay: as in :class:`SOAP`.
+    """
+    for i, (p, G, m, v, L, R, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, Ls, Rs, steps)):
+        if t == 1:
+            L.copy_(G @ G.mT)
+            R.copy_(G.mT @ G)
+        else:
+            L.lerp_(G @ G.mT, 1 - shampoo_beta)
+            R.lerp_(G.mT @ G, 1 - shampoo_beta)
+        if (t - 1) % precondition_frequency == 0:
+            Q_Ls[i] = torch.linalg.eigh(L.double())[1].to(p.dtype)
+            Q_Rs[i] = torch.linalg.eigh(R.double())[1].to(p.dtype)
+        QL, QR = Q_Ls[i], Q_Rs[i]
+        m.lerp_(G, 1 - beta1)
+        v.lerp_((QL.mT @ G @ QR).square_(), 1 - beta2)
+        m_hat = (QL.mT @ m @ QR) / (1 - beta1 ** t)
+        N = m_hat / (v.div(1 - beta2 ** t).sqrt_().add_(eps))
+        p.mul_(1 - lr * weight_decay).sub_(QL @ N @ QR.mT, alpha=lr)
+
+
+class SOAP(BookOptimizer):
     """SOAP for 2-D parameters (pair it with AdamW for the rest).
 
     Args:
@@ -43,16 +81,27 @@ class SOAP(Shampoo):
     ``(m, m)``, ``R``, ``Q_R`` ``(n, n)``.
 
     Raises:
-        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters.
+        ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
+            non-finite gradient (before anything changes).
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
+
+    # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
+    float_options = ("lr", "betas", "shampoo_beta", "eps", "weight_decay")
+
+    refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
 
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float = 0.95, eps: float = 1e-8, precondition_frequency: int = 10,
                  weight_decay: float = 0.0):
-        super(Shampoo, self).__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
-                                                   precondition_frequency=precondition_frequency,
-                                                   weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                                      precondition_frequency=precondition_frequency, weight_decay=weight_decay))
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        check_matrices(params, "SOAP", MATRIX_HINT)
+        super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -63,30 +112,23 @@ class SOAP(Shampoo):
         check_weight_decay(group["weight_decay"])
 
     def _step_group(self, group: dict) -> None:
-        lr, eps, sb = group["lr"], group["eps"], group["shampoo_beta"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            G, state = p.grad, self.state[p]
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
             if not state:
+                m, n = p.shape
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-                state["L"] = G @ G.mT
-                state["R"] = G.mT @ G
-            else:
-                state["L"].lerp_(G @ G.mT, 1 - sb)
-                state["R"].lerp_(G.mT @ G, 1 - sb)
+                state["L"] = p.new_zeros(m, m)  # set to G G^T by the first step
+                state["R"] = p.new_zeros(n, n)
             state["step"] += 1
-            t = state["step"]
-            if (t - 1) % group["precondition_frequency"] == 0:
-                state["Q_L"] = torch.linalg.eigh(state["L"].double())[1].to(p.dtype)
-                state["Q_R"] = torch.linalg.eigh(state["R"].double())[1].to(p.dtype)
-            QL, QR = state["Q_L"], state["Q_R"]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.lerp_(G, 1 - beta1)
-            v.lerp_((QL.mT @ G @ QR).square_(), 1 - beta2)
-            m_hat = (QL.mT @ m @ QR) / (1 - beta1 ** t)
-            N = m_hat / (v.div(1 - beta2 ** t).sqrt_().add_(eps))
-            p.mul_(1 - lr * group["weight_decay"]).sub_(QL @ N @ QR.mT, alpha=lr)
+        states = [self.state[p] for p in params]
+        Q_Ls, Q_Rs = [s.get("Q_L") for s in states], [s.get("Q_R") for s in states]
+        beta1, beta2 = group["betas"]
+        soap(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+             [s["L"] for s in states], [s["R"] for s in states], Q_Ls, Q_Rs, [s["step"] for s in states],
+             lr=group["lr"], beta1=beta1, beta2=beta2, shampoo_beta=group["shampoo_beta"], eps=group["eps"],
+             precondition_frequency=group["precondition_frequency"], weight_decay=group["weight_decay"])
+        for s, Q_L, Q_R in zip(states, Q_Ls, Q_Rs):
+            s["Q_L"], s["Q_R"] = Q_L, Q_R

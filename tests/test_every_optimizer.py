@@ -1,0 +1,376 @@
+"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all eight classes.
+
+A ``step()`` that raises leaves parameters, state and step counts bitwise as they were; a tensor ``lr``
+gives bitwise the float-``lr`` result; a zero-element parameter is skipped; an old state dict without a
+newer option loads and steps; ``load_state_dict`` copies instead of aliasing the source's tensors.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from optbook.optim import SGD, SOAP, Adafactor, Adam, AdamW, Lion, Muon, Shampoo
+
+# one configuration per class that exercises momentum, decay and every state tensor
+FACTORIES = {
+    "SGD": lambda ps, **kw: SGD(ps, **{"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, **kw}),
+    "Adam": lambda ps, **kw: Adam(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "AdamW": lambda ps, **kw: AdamW(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Lion": lambda ps, **kw: Lion(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Adafactor": lambda ps, **kw: Adafactor(ps, **{"lr": 0.01, "weight_decay": 0.1, **kw}),
+    "Shampoo": lambda ps, **kw: Shampoo(ps, **{"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1, **kw}),
+    "SOAP": lambda ps, **kw: SOAP(ps, **{"lr": 0.01, "weight_decay": 0.1, "precondition_frequency": 2, **kw}),
+    "Muon": lambda ps, **kw: Muon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+}
+FOREACH = {"SGD", "Adam", "AdamW"}  # the classes with a foreach path
+CASES = [(name, fe) for name in FACTORIES for fe in ((False, True) if name in FOREACH else (None,))]
+CASE_IDS = [name if fe is None else f"{name}-foreach={fe}" for name, fe in CASES]
+
+
+def make(name, params, foreach=None, **kw):
+    if foreach is not None:
+        kw["foreach"] = foreach
+    return FACTORIES[name](params, **kw)
+
+
+def matrices(dtype=torch.float64, seed=0, shapes=((4, 3), (3, 5))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def drive(opt, params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_bitwise_equal(a, b):
+    """Equal nested state: tensors bitwise (same dtype and shape), everything else with ==."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bitwise_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
+def assert_unchanged(opt, params, snap):
+    values, state = snap
+    for p, v in zip(params, values):
+        assert_bitwise_equal(p.detach(), v)
+    assert_bitwise_equal(opt.state_dict(), state)  # state tensors, step counts and hyperparameters
+
+
+# ---------------------------------------------------------------- tensor lr
+
+@pytest.mark.parametrize("lr", [torch.tensor(0.02), torch.tensor([0.02]), torch.tensor(0.02, dtype=torch.float64),
+                                torch.tensor([[0.3]], dtype=torch.bfloat16)],
+                         ids=["0-dim-fp32", "1-D-fp32", "0-dim-fp64", "2-D-bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_tensor_lr_gives_bitwise_the_float_lr_result(name, foreach, dtype, lr):
+    with_tensor, with_float = matrices(dtype), matrices(dtype)
+    opt_t = make(name, with_tensor, foreach, lr=lr.clone())
+    opt_f = make(name, with_float, foreach, lr=float(lr))
+    drive(opt_t, with_tensor, 3)
+    drive(opt_f, with_float, 3)
+    for a, b in zip(with_tensor, with_float):
+        assert torch.equal(a, b)
+    assert torch.is_tensor(opt_t.param_groups[0]["lr"])  # the group keeps the tensor (a scheduler may fill_ it)
+
+
+def test_tensor_lr_follows_a_torch_scheduler():
+    # torch's schedulers write a tensor lr with fill_(); each step reads the value then in force
+    a, b = matrices(), matrices()
+    opt_t, opt_f = make("AdamW", a, lr=torch.tensor(0.01, dtype=torch.float64)), make("AdamW", b)
+    sched_t = torch.optim.lr_scheduler.LambdaLR(opt_t, lambda s: 1 / (s + 1))
+    sched_f = torch.optim.lr_scheduler.LambdaLR(opt_f, lambda s: 1 / (s + 1))
+    for _ in range(4):
+        drive(opt_t, a, 1)
+        drive(opt_f, b, 1)
+        sched_t.step()
+        sched_f.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("lr", [torch.tensor([0.1, 0.2]), torch.tensor(0.1 + 0j), torch.tensor(True),
+                                torch.tensor(float("nan")), torch.tensor([-0.1])])
+@pytest.mark.parametrize("name", FACTORIES)
+def test_bad_tensor_lr_is_refused_in_the_constructor(name, lr):
+    with pytest.raises((TypeError, ValueError), match="lr"):
+        make(name, matrices(), lr=lr)
+
+
+# every real-valued hyperparameter besides lr, with a value each class accepts
+FLOAT_OPTIONS = {
+    "SGD": dict(momentum=0.9, weight_decay=0.1),
+    "Adam": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "AdamW": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "Lion": dict(betas=(0.8, 0.99), weight_decay=0.1),
+    "Adafactor": dict(beta2_decay=-0.7, eps=(1e-30, 1e-3), d=1.5, weight_decay=0.1),
+    "Shampoo": dict(beta2=0.9, eps=1e-6, momentum=0.5, weight_decay=0.1),
+    "SOAP": dict(betas=(0.8, 0.99), shampoo_beta=0.9, eps=1e-6, weight_decay=0.1),
+    "Muon": dict(momentum=0.9, weight_decay=0.1, extra_scale_factor=0.2, eps=1e-6),
+}
+
+
+def _as_tensors(value, make_tensor):
+    if isinstance(value, tuple):
+        return tuple(make_tensor(x) for x in value)
+    return make_tensor(value)
+
+
+@pytest.mark.parametrize("make_tensor", [lambda x: torch.tensor(x), lambda x: torch.tensor([x], dtype=torch.float64)],
+                         ids=["0-dim-fp32", "1-D-fp64"])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_every_real_hyperparameter_given_as_a_tensor_gives_bitwise_the_float_result(name, foreach, make_tensor):
+    for key, value in FLOAT_OPTIONS[name].items():
+        tensor_value = _as_tensors(value, make_tensor)
+        float_value = tuple(map(float, tensor_value)) if isinstance(value, tuple) else float(tensor_value)
+        with_tensor, with_float = matrices(), matrices()
+        opt_t = make(name, with_tensor, foreach, **{key: tensor_value})
+        opt_f = make(name, with_float, foreach, **{key: float_value})
+        drive(opt_t, with_tensor, 3)
+        drive(opt_f, with_float, 3)
+        for a, b in zip(with_tensor, with_float):
+            assert torch.equal(a, b), key
+        kept = opt_t.param_groups[0][key]  # the group keeps what it was given
+        assert all(map(torch.is_tensor, kept)) if isinstance(value, tuple) else torch.is_tensor(kept)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_tensor_hyperparameter_with_several_elements_is_refused_in_the_constructor_by_name(name):
+    for key, value in FLOAT_OPTIONS[name].items():
+        bad = (torch.tensor([value[0]] * 2),) + value[1:] if isinstance(value, tuple) else torch.tensor([value] * 2)
+        with pytest.raises(TypeError, match=rf"Invalid {key}"):
+            make(name, matrices(), **{key: bad})
+
+
+# ---------------------------------------------------------------- zero-element parameters
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_zero_element_parameter_is_skipped_and_the_others_are_stepped(name, foreach):
+    empty, full = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True), matrices(shapes=((4, 3),))[0]
+    alone = full.detach().clone().requires_grad_()
+    opt = make(name, [empty, full], foreach)
+    ref = make(name, [alone], foreach)
+    drive(opt, [empty, full], 3)
+    drive(ref, [alone], 3)
+    assert torch.equal(full, alone)
+    assert empty.shape == (0, 3) and len(opt.state[empty]) == 0
+    assert_bitwise_equal(opt.state_dict()["state"][1], ref.state_dict()["state"][0])
+
+
+# ---------------------------------------------------------------- validation before any write
+
+COMMON_BAD = [("lr", -0.5, "lr"), ("lr", float("nan"), "lr"), ("lr", torch.tensor([0.1, 0.2]), "lr"),
+              ("weight_decay", -1.0, "weight_decay")]
+BAD_EDITS = {
+    "SGD": [("momentum", 1.0, "momentum"), ("nesterov", "yes", "nesterov"), ("foreach", "yes", "foreach")],
+    "Adam": [("betas", (0.9, 1.0), "betas"), ("eps", 0.0, "eps"), ("foreach", 1, "foreach")],
+    "AdamW": [("betas", 0.9, "betas"), ("eps", -1.0, "eps"), ("foreach", "no", "foreach")],
+    "Lion": [("betas", (1.0, 0.9), "betas")],
+    "Adafactor": [("beta2_decay", 0.5, "beta2_decay"), ("d", 0.0, "d"), ("eps", (None, -1.0), "eps")],
+    "Shampoo": [("beta2", 1.5, "beta2"), ("precondition_frequency", 0, "precondition_frequency"),
+                ("momentum", 1.0, "momentum"), ("eps", 0.0, "eps")],
+    "SOAP": [("shampoo_beta", 1.0, "shampoo_beta"), ("betas", (0.9, 2.0), "betas"),
+             ("precondition_frequency", 0.5, "precondition_frequency")],
+    "Muon": [("head_split", 3, "head_split"), ("head_split", (2, 1), "head_split"), ("head_split", "x", "head_split"),
+             ("ns_dtype", torch.int32, "ns_dtype"), ("ns_dtype", "bf16", "ns_dtype"), ("ns_steps", 0, "steps"),
+             ("coefficients", "nope", "coefficients"), ("scale_mode", "big", "scale_mode"), ("eps", 0.0, "eps"),
+             ("momentum", -0.1, "momentum"), ("nesterov", 1, "nesterov")],
+}
+EDITS = [(name, *edit) for name in FACTORIES for edit in COMMON_BAD + BAD_EDITS[name]]
+
+
+@pytest.mark.parametrize("name, field, value, word", EDITS,
+                         ids=[f"{n}-{f}={v!r}" for n, f, v, _ in EDITS])
+def test_a_bad_value_written_into_a_group_raises_before_any_change(name, field, value, word):
+    # group 0 would be stepped first: the check of group 1 must come before any write
+    params = matrices(shapes=((4, 3), (4, 3)))
+    opt = make(name, [{"params": [params[0]]}, {"params": [params[1]]}])
+    drive(opt, params, 2)
+    snap = snapshot(opt, params)
+    good = opt.param_groups[1][field]
+    opt.param_groups[1][field] = value  # e.g. a buggy scheduler or a hand edit
+    with pytest.raises((ValueError, TypeError), match=word):
+        opt.step()
+    opt.param_groups[1][field] = good
+    assert_unchanged(opt, params, snap)
+
+
+def test_editing_head_split_to_a_non_divisor_raises_before_the_momentum_buffer_is_written():
+    W = matrices(shapes=((6, 4),))[0]
+    opt = Muon([{"params": [W], "head_split": 3}], lr=0.02)
+    drive(opt, [W], 1)
+    snap = snapshot(opt, [W])
+    opt.param_groups[0]["head_split"] = 4
+    with pytest.raises(ValueError, match="head_split: 4 heads do not divide the 6 rows"):
+        opt.step()
+    opt.param_groups[0]["head_split"] = 3
+    assert_unchanged(opt, [W], snap)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_muon_refuses_a_non_floating_ns_dtype(ns_dtype):
+    with pytest.raises(TypeError, match="ns_dtype"):
+        Muon(matrices(), ns_dtype=ns_dtype)
+
+
+def test_shampoo_momentum_switched_on_mid_run_starts_its_buffer_at_zero():
+    W = matrices(shapes=((4, 3),))[0]
+    opt = Shampoo([W], lr=0.1, momentum=0.0, weight_decay=0.1)
+    drive(opt, [W], 2)
+    assert "momentum_buffer" not in opt.state[W]
+    opt.param_groups[0]["momentum"] = 0.5
+    before = W.detach().clone()
+    G = torch.randn(4, 3, dtype=torch.float64)
+    W.grad = G.clone()
+    opt.step()
+    st = opt.state[W]
+    assert st["step"] == 3
+    U = st["L_inv_root"] @ G @ st["R_inv_root"]
+    assert torch.equal(st["momentum_buffer"], torch.zeros_like(U).lerp_(U, 0.5))  # lerp from zero: 0.5 U
+    assert torch.equal(W.detach(), before.mul(1 - 0.1 * 0.1).sub_(st["momentum_buffer"], alpha=0.1))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Muon"])
+def test_nesterov_without_momentum_is_refused_like_torch_sgd(name):
+    with pytest.raises(ValueError, match="nesterov"):
+        make(name, matrices(), momentum=0.0, nesterov=True)
+    opt = make(name, matrices(), momentum=0.0, nesterov=False)  # the plain method is still there
+    opt.param_groups[0]["nesterov"] = True                      # ... and an edit is caught at step()
+    with pytest.raises(ValueError, match="nesterov"):
+        opt.step()
+
+
+# ---------------------------------------------------------------- state dicts
+
+NEWER_OPTIONS = ("foreach", "head_split", "amsgrad", "maximize")  # options added after the first release
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_state_dict_without_newer_options_loads_and_steps(name, foreach):
+    straight, first = matrices(), matrices()
+    run = make(name, straight)
+    drive(run, straight, 5)
+    opt = make(name, first)
+    drive(opt, first, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        for key in NEWER_OPTIONS:
+            group.pop(key, None)
+    second = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = make(name, second, foreach)
+    opt2.load_state_dict(saved)
+    for key in NEWER_OPTIONS:
+        if key in opt2.defaults:  # filled with the constructor's default (the old behaviour)
+            assert opt2.param_groups[0][key] == {"foreach": None, "head_split": None}.get(key, False)
+    assert "differentiable" not in opt2.param_groups[0]  # torch's own default is not pushed into the groups
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # replay the first run's two gradients, then three more
+        for p in second:
+            torch.randn(p.shape, generator=g, dtype=p.dtype)
+    for _ in range(3):
+        for p in second:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt2.step()
+    for a, b in zip(straight, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_load_state_dict_copies_instead_of_aliasing_the_source(name, foreach):
+    source_params = matrices()
+    source = make(name, source_params, foreach)
+    drive(source, source_params, 2)
+    params = [p.detach().clone().requires_grad_() for p in source_params]
+    loaded = make(name, params, foreach)
+    loaded.load_state_dict(source.state_dict())  # same process, same dtype and device
+    snap = snapshot(source, source_params)
+    drive(loaded, params, 3)  # stepping the loaded optimizer ...
+    assert_unchanged(source, source_params, snap)  # ... leaves the source's state as it was
+    for p, q in zip(source_params, params):
+        for key, value in source.state[p].items():
+            if torch.is_tensor(value):
+                assert value.untyped_storage().data_ptr() != loaded.state[q][key].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_pickled_optimizer_without_newer_options_unpickles_with_defaults(name):
+    import pickle
+
+    opt = make(name, matrices())
+    for group in opt.param_groups:
+        for key in NEWER_OPTIONS:
+            group.pop(key, None)
+    clone = pickle.loads(pickle.dumps(opt))
+    for key in NEWER_OPTIONS:
+        if key in clone.defaults:
+            assert key in clone.param_groups[0]
+
+
+# ---------------------------------------------------------------- functional twins
+
+def _twin_run(name):
+    """Drive the class and, by hand, its functional twin on the same gradients; return both parameter lists."""
+    from optbook.optim import adafactor, lion, muon, shampoo, soap
+
+    ours, theirs = matrices(shapes=((4, 3), (3, 5))), matrices(shapes=((4, 3), (3, 5)))
+    hp = {"Lion": dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1),
+          "Adafactor": dict(lr=0.01, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.1),
+          "Shampoo": dict(lr=0.01, beta2=0.9, eps=1e-12, momentum=0.5, precondition_frequency=2, weight_decay=0.1),
+          "SOAP": dict(lr=0.01, betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, precondition_frequency=2,
+                       weight_decay=0.1),
+          "Muon": dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1, ns_dtype=torch.float64)}[name]
+    opt = {"Lion": Lion, "Adafactor": Adafactor, "Shampoo": Shampoo, "SOAP": SOAP, "Muon": Muon}[name](ours, **hp)
+    z = [torch.zeros_like(p) for p in theirs]
+    n = len(theirs)
+    L = [torch.eye(p.shape[0], dtype=p.dtype) * 1e-12 for p in theirs]
+    R = [torch.eye(p.shape[1], dtype=p.dtype) * 1e-12 for p in theirs]
+    if name == "SOAP":
+        L, R = [torch.zeros(p.shape[0], p.shape[0], dtype=p.dtype) for p in theirs], \
+               [torch.zeros(p.shape[1], p.shape[1], dtype=p.dtype) for p in theirs]
+    Li, Ri = [None] * n, [None] * n
+    rows = [p.new_zeros(p.shape[0], 1) for p in theirs]
+    cols = [p.new_zeros(1, p.shape[1]) for p in theirs]
+    v = [torch.zeros_like(p) for p in theirs]
+    g = torch.Generator().manual_seed(1)
+    for t in range(1, 6):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in ours]
+        for p, G in zip(ours, grads):
+            p.grad = G.clone()
+        opt.step()
+        if name == "Lion":
+            lion(theirs, grads, z, lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        elif name == "Adafactor":
+            adafactor(theirs, grads, rows, cols, [None] * n, [t] * n, lr=0.01, beta2_decay=-0.8, eps1=None,
+                      eps2=1e-3, d=1.0, weight_decay=0.1)
+        elif name == "Shampoo":
+            shampoo(theirs, grads, L, R, Li, Ri, z, [t] * n, **{k: hp[k] for k in hp})
+        elif name == "SOAP":
+            soap(theirs, grads, z, v, L, R, Li, Ri, [t] * n, lr=0.01, beta1=0.9, beta2=0.95, shampoo_beta=0.9,
+                 eps=1e-8, precondition_frequency=2, weight_decay=0.1)
+        else:
+            muon(theirs, grads, z, **hp)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", ["Lion", "Adafactor", "Shampoo", "SOAP", "Muon"])
+def test_each_class_equals_its_functional_twin_bit_for_bit(name):
+    ours, theirs = _twin_run(name)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
