@@ -1,6 +1,6 @@
 """Relative update size per layer, grouped by role. Explained in chapter 9.
 
-Source: seed 003 "Update scale": ``rho_l = ||Delta theta_l||_F / (||theta_l||_F + eps)``; layers whose
+Source: the relative update ``rho_l = ||Delta theta_l||_F / (||theta_l||_F + eps)``; layers whose
 ``rho`` differ by orders of magnitude point at a parametrisation, learning-rate, scaling or routing
 problem. Grouped by attention, MLP, embedding, norm (and output head / other).
 """

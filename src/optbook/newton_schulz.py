@@ -1,8 +1,8 @@
 """Newton–Schulz orthogonalisation and the exact polar factor. Explained in chapter 5.
 
-Source: seed 000 §5.2 (the quintic iteration, Frobenius normalisation, wide orientation), Keller
-Jordan's Muon (2024) for the "simple" coefficients, modded-nanogpt / Megatron-LM for the 5-step
-"quintic" schedule, DeepSeek-V4 (seed 003 "DeepSeek-V4") for the 8 + 2 hybrid schedule.
+Source: Keller Jordan's Muon (2024) for the "simple" coefficients, modded-nanogpt / Megatron-LM for
+the 5-step "quintic" schedule, the DeepSeek-V4 report for the 8 + 2 hybrid schedule; Higham (2008),
+*Functions of Matrices*, ch. 8 (the polar decomposition), for the Newton–Schulz iteration itself.
 
 For ``X = U S V^T`` the step ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` equals
 ``U phi(S) V^T`` with the odd polynomial ``phi(s) = a s + b s^3 + c s^5``: every singular value is

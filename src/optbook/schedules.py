@@ -1,11 +1,10 @@
 """Learning-rate and weight-decay schedules, counted in samples. Explained in chapter 9.
 
-Source: seed 000 §7 (Megatron-LM's OptimizerParamScheduler: warmup from ``init_lr``, then
+Source: Megatron-LM, ``megatron/core/optimizer_param_scheduler.py`` (``OptimizerParamScheduler``: warmup from ``init_lr``, then
 constant / inverse-square-root / linear / cosine / WSD with linear, cosine, exponential or
-minus_sqrt decay, ``min_lr`` floor, counting in samples, a weight-decay schedule); seed 003
-"Learning-rate schedules".
+minus_sqrt decay, ``min_lr`` floor, counting in samples, a weight-decay schedule); Hägele et al. (2024) and Hu et al. (2024, MiniCPM) for WSD.
 
-Convention (``shared/cases`` 11-13). A schedule is a pure function of ``n``, the number of samples
+Convention. A schedule is a pure function of ``n``, the number of samples
 (or steps: any unit, used consistently) consumed *once the step being taken is applied*, so
 ``n >= 1`` for the first step. Hence the first step gets ``init_lr + (max_lr - init_lr) / W``
 (non-zero), the peak is hit exactly at ``n = W``, and decays end exactly at ``min_lr`` at

@@ -1,7 +1,7 @@
 """Adam and AdamW. Explained in chapter 2 (Adam) and chapter 3 (AdamW).
 
 Source: Kingma & Ba (2015), arXiv:1412.6980, Algorithm 1 (Adam); Loshchilov & Hutter (2019),
-arXiv:1711.05101, Algorithm 2 (AdamW); seed 000 §2-3, seed 003 "AdamW".
+arXiv:1711.05101, Algorithm 2 (AdamW); PyTorch's ``torch/optim/adam.py`` and ``adamw.py`` for the parity tests.
 
 For one parameter ``p`` with gradient ``g`` at step ``t = 1, 2, ...`` (elementwise; every tensor has
 ``p``'s shape and dtype)::

@@ -1,7 +1,7 @@
 """Several optimizers acting as one: one ``step()``, one ``state_dict``, one global gradient norm.
 
-Explained in chapter 7 (Muon + AdamW) and chapter 10 (anatomy of a step). Source: seed 000 §13
-(Megatron-LM's ChainedOptimizer).
+Explained in chapter 7 (Muon + AdamW) and chapter 10 (anatomy of a step). Source: Megatron-LM,
+``megatron/core/optimizer/optimizer.py`` (``ChainedOptimizer``).
 
 ``param_groups`` is the concatenation of the children's groups (the same dict objects), so a
 ``torch.optim.lr_scheduler`` scheduler built on the chain updates every child.

@@ -1,9 +1,9 @@
 """Muon: momentum orthogonalised by Newton–Schulz. Explained in chapters 6 and 7.
 
-Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024); seed 000
-§5.1-5.5; Liu et al. (2025), "Muon is Scalable for LLM Training" (Moonlight, arXiv:2502.16982)
-eq. 3-4 for decoupled decay and RMS matching; seed 003 "Per-Head Muon" (Kimi K3) and "Muon Split"
-(GLM-5) for per-head orthogonalisation.
+Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024);
+Liu et al. (2025), "Muon is Scalable for LLM Training" (Moonlight, arXiv:2502.16982)
+eq. 3-4 for decoupled decay and RMS matching; PyTorch's ``torch/optim/_muon.py`` for the
+``adjust_lr_fn`` conventions. Per-head orthogonalisation splits a Q/K/V weight into one block per head.
 
 For a 2-D parameter ``W`` of shape ``(fan_out, fan_in)`` (PyTorch layout) with gradient ``G``::
 

@@ -1,6 +1,6 @@
 """SGD with EMA (lerp) momentum and Nesterov. Explained in chapter 1 (SGD and momentum).
 
-Source: seed 000 §1; Polyak (1964) for heavy ball, Nesterov (1983) and Sutskever et al. (2013,
+Source: Polyak (1964) for heavy ball, Nesterov (1983) and Sutskever et al. (2013,
 eq. 3-4) for the look-ahead form.
 
 The update for one parameter ``p`` with gradient ``g`` (all tensors of ``p``'s shape and dtype)::

@@ -1,8 +1,8 @@
 """Shampoo: left and right Kronecker-factored preconditioners. Explained in chapter 4.
 
 Source: Gupta, Koren & Singer (2018), "Shampoo: Preconditioned Stochastic Tensor Optimization",
-arXiv:1802.09568, Algorithm 1 (order 2); seed 000 §4 (without accumulation Shampoo's update is
-``U V^T``: the bridge to Muon).
+arXiv:1802.09568, Algorithm 1 (order 2); without accumulation Shampoo's update is ``U V^T`` (Bernstein & Newhouse
+2024, "Old Optimizer, New Norm", arXiv:2409.20325): the bridge to Muon.
 
 For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
 

@@ -1,7 +1,7 @@
 """SOAP: Adam in Shampoo's eigenbasis. Explained in chapter 4.
 
 Source: Vyas et al. (2024), "SOAP: Improving and Stabilizing Shampoo using Adam", arXiv:2409.11321,
-Algorithm 1 (one-sided variants and merged dimensions are left out); seed 000 §4.
+Algorithm 1 (one-sided variants and merged dimensions are left out).
 
 For a matrix parameter ``W`` ``(m, n)`` with gradient ``G``::
 
