@@ -1,7 +1,8 @@
 """Which parameters get weight decay: decided by module type and tensor role, never by name.
 
-Explained in chapter 3 (AdamW). Source: nanoGPT's ``configure_optimizers`` and
-Megatron-LM's ``_get_param_groups`` (``megatron/core/optimizer/__init__.py``) (biases, norm gains and embeddings are commonly excluded from decay); Loshchilov & Hutter (2019) for why decay is a per-parameter choice.
+Explained in chapter 3 (AdamW). Source: nanoGPT's ``configure_optimizers`` and Megatron-LM's
+``_get_param_groups`` in ``megatron/core/optimizer/__init__.py`` (biases, norm gains and embeddings are
+commonly excluded from decay); Loshchilov & Hutter (2019) for why decay is a per-parameter choice.
 
 Name lists (``"bias" in name or "LayerNorm" in name``) silently miss ``layer_norm``, ``norm`` or
 ``ln_f``; asking what *kind of module* owns a tensor, and what role the tensor plays there, does not.
