@@ -1,6 +1,6 @@
 """Per-head QK-clip (MuonClip). Explained in chapter 8.
 
-Source: seed 000 §6 and Kimi K2 (arXiv:2507.20534, §2.1 and Appendix D/E): after the optimizer
+Source: Kimi K2 (arXiv:2507.20534, §2.1 and Appendix D/E): after the optimizer
 step, for every head ``h`` with ``S_max^h > tau`` (the largest pre-softmax logit seen in this step's
 forward), the logits are scaled by ``gamma_h = tau / S_max^h`` by rescaling weights:
 

@@ -7,7 +7,7 @@ separate ``nn.Linear`` layers whose rows are grouped by head (rows ``h*d_head:(h
 
 In training mode each attention layer stores ``max_logits``: a float32 tensor ``(n_heads,)`` with
 ``S_max^h = max over batch, query i, key j <= i of q_i . k_j / sqrt(d_head)`` -- taken from the
-logits attention computes anyway (no second pass). Source: seed 000 §6 (Kimi K2's S_max).
+logits attention computes anyway (no second pass). Source: Kimi K2 (arXiv:2507.20534, §2.1) for S_max.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Which parameters Muon updates and which go to AdamW. Explained in chapter 7.
 
-Source: seed 000 §5.5 (Muon only for hidden 2-D weights; embeddings, output head, norm gains,
-biases and every non-2-D tensor to AdamW), seed 003 "Muon" (routing is part of the algorithm).
+Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024: Muon only
+for hidden 2-D weights; embeddings, output head, norm gains, biases and every non-2-D tensor to
+AdamW); Liu et al. (2025), "Muon is Scalable for LLM Training" (arXiv:2502.16982).
 
 Decided by module type and tensor role (:func:`classify_parameters`), never by name. The output
 head is :func:`optbook.optim.param_groups.output_head`: ``model.get_output_embeddings()`` when the
