@@ -103,3 +103,23 @@ def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
 
 def test_the_sweep_table_is_what_the_sweep_data_says():
     assert (ROOT / "sweeps" / "README.md").read_text() == _sweep().render_table()
+
+
+# Readers do not have the project's internal notes or its numbered list of failure cases: the book and
+# the docstrings cite the primary source (a paper, or the public code file) instead.
+INTERNAL = re.compile(r"(\bseed(?:s)?\s*(?:notes?|document|00\d|§)|\b00[03]\s*§|\bknown(?: failure)? cases?\b"
+                      r"|project's (?:list|known)|\bcases?\s+\d+(?:\s*[–-]\s*\d+)? (?:of|in) (?:the|our)|shared/cases)", re.I)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_prose_cites_primary_sources_not_internal_notes(path):
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        hit = INTERNAL.search("".join(cell["source"]))
+        assert not hit, f"cell {i} refers to internal notes or case numbers: {hit.group(0)!r}"
+
+
+def test_the_docstrings_cite_primary_sources_not_internal_notes():
+    for path in sorted((ROOT / "src" / "optbook").rglob("*.py")):
+        hit = INTERNAL.search(path.read_text())
+        assert not hit, f"{path.relative_to(ROOT)} refers to internal notes or case numbers: {hit.group(0)!r}"
