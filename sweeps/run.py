@@ -130,6 +130,9 @@ def render_table() -> str:
         "on the seed, for example); there must be none.",
         "",
     ]
+    unswept = sorted(nb.stem for nb in (ROOT / "book").glob("*.ipynb") if not (DATA / f"{nb.stem}.jsonl").exists())
+    if unswept:
+        lines += [f"Notebooks without a sweep: {', '.join(unswept)}.", ""]
     for path in sorted(DATA.glob("*.jsonl")):
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         claims = [r for r in recs if "claim" in r]

@@ -47,6 +47,23 @@ def test_notebook_is_executed_in_order_and_clean(path):
 # --- Exact and measured outputs (README, "the book on every machine") --------------------------------
 
 SWEEP_DATA = ROOT / "sweeps" / "data"
+
+
+def _pending():
+    path = ROOT / "sweeps" / "pending.txt"
+    lines = [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()] if path.exists() else []
+    return dict((stem.strip(), reason.strip()) for stem, _, reason in (ln.partition(":") for ln in lines if ln))
+
+
+PENDING = _pending()
+CONVERTED = [nb for nb in NOTEBOOKS if nb.stem not in PENDING]
+
+
+def test_every_pending_notebook_exists_and_says_why():
+    # nbval does not run these (conftest.py) until their measured claims have been swept
+    for stem, reason in PENDING.items():
+        assert (ROOT / "book" / f"{stem}.ipynb").is_file(), stem
+        assert len(reason) > 20, f"{stem}: say what is missing"
 CLAIM_CALL = r"(?:\bclaim|\bassert_claim)\("
 CLAIM_NAME = re.compile(CLAIM_CALL + r"\s*\"([^\"{}]+)\"")
 
@@ -65,7 +82,7 @@ def _sweep():
     return module
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.name)
 def test_every_seed_goes_through_the_runtime_and_one_thread_is_used(path):
     code = "\n".join(_code(path))
     assert re.search(r"seed_everything\(\s*\d+\s*,\s*num_threads=1\s*\)", code), "seed with seed_everything(s, num_threads=1)"
@@ -79,7 +96,7 @@ def test_measured_claims_sit_in_cells_that_nbval_does_not_compare(path):
             assert "NBVAL_IGNORE_OUTPUT" in source, f"code cell {i} asserts a measured claim but its output is compared"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.name)
 def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
     names = set(CLAIM_NAME.findall("\n".join(_code(path))))
     if not any(re.search(CLAIM_CALL, s) for s in _code(path)):
