@@ -161,3 +161,7 @@ def check_grad(p: torch.Tensor, where: str) -> None:
                          f"parameter's {tuple(p.shape)}")
     if g.device != p.device:
         raise ValueError(f"Invalid grad of {where}: device {g.device} differs from the parameter's {p.device}")
+
+
+#: What to do with a tensor that is not 2-D, for the matrix optimizers Shampoo and SOAP.
+MATRIX_HINT = ("give 0-D/1-D/3-D tensors to AdamW (e.g. via optbook.optim.muon_param_groups) or reshape them")

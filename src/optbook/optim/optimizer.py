@@ -32,7 +32,7 @@ import inspect
 
 import torch
 
-from ._validation import check_grad, check_params
+from ._validation import check_grad, check_matrices, check_params
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -52,6 +52,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 class BookOptimizer(torch.optim.Optimizer):
     """Base class: validation before mutation, closures, and PyTorch's param-group machinery."""
 
+    #: Set by optimizers defined for 2-D matrices only (Shampoo, SOAP): the hint of the error for other shapes.
+    matrix_hint: str | None = None
+
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
@@ -59,6 +62,8 @@ class BookOptimizer(torch.optim.Optimizer):
         elif not isinstance(params, set):  # torch.optim rejects sets with its own message
             params = list(params)
             check_params(params)
+        if self.matrix_hint is not None and not isinstance(params, set):
+            check_matrices(params, type(self).__name__, self.matrix_hint)
         self._check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_lr, check_matrices, check_number, check_precondition_frequency, check_weight_decay
+from ._validation import MATRIX_HINT, check_lr, check_number, check_precondition_frequency, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Shampoo", "inverse_root", "shampoo"]
-
-#: Where the error for a non-matrix parameter sends it (Shampoo and SOAP).
-MATRIX_HINT = ("give 0-D/1-D/3-D tensors to AdamW (e.g. via optbook.optim.muon_param_groups) or reshape them")
 
 
 def inverse_root(A: torch.Tensor, p: int = 4) -> torch.Tensor:
@@ -96,17 +93,12 @@ class Shampoo(BookOptimizer):
     float_options = ("lr", "beta2", "eps", "momentum", "weight_decay")
 
     refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
+    matrix_hint = MATRIX_HINT
 
     def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,
                  precondition_frequency: int = 1, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, beta2=beta2, eps=eps, momentum=momentum,
                                       precondition_frequency=precondition_frequency, weight_decay=weight_decay))
-
-    def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        check_matrices(params, "Shampoo", MATRIX_HINT)
-        super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import (check_betas, check_eps, check_lr, check_matrices, check_number, check_precondition_frequency,
+from ._validation import (MATRIX_HINT, check_betas, check_eps, check_lr, check_number, check_precondition_frequency,
                           check_weight_decay)
 from .optimizer import BookOptimizer
-from .shampoo import MATRIX_HINT
 
 __all__ = ["SOAP", "soap"]
 
@@ -90,18 +89,13 @@ class SOAP(BookOptimizer):
     float_options = ("lr", "betas", "shampoo_beta", "eps", "weight_decay")
 
     refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
+    matrix_hint = MATRIX_HINT
 
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float = 0.95, eps: float = 1e-8, precondition_frequency: int = 10,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
                                       precondition_frequency=precondition_frequency, weight_decay=weight_decay))
-
-    def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        check_matrices(params, "SOAP", MATRIX_HINT)
-        super().add_param_group({**param_group, "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
