@@ -94,7 +94,7 @@ def sweep(notebooks: list[Path], native: int, avx2: int, generic: int, jobs: int
 
 
 def holds(value: float, op: str, bound: float) -> bool:
-    """Whether a recorded value satisfies ``op bound`` (NaN never does), as optbook.runtime.claim decides."""
+    """Whether a recorded value satisfies ``op bound`` (NaN never does), as optbook.testing.assert_claim decides."""
     return {"<": value < bound, "<=": value <= bound, ">": value > bound, ">=": value >= bound,
             "==": value == bound}[op]
 

@@ -99,13 +99,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def claim(name, value, op, bound):
-    """Deprecated spelling of :func:`optbook.testing.assert_claim` (same arguments and behaviour)."""
-    from .testing import assert_claim
-
-    return assert_claim(name, value, op, bound)
-
-
 def glue(name: str, value, *, display: bool = False):
     """Make ``value`` available to the chapter's prose as ``{glue:text}`name:format```` (myst-nb).
 
