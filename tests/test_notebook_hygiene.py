@@ -33,7 +33,7 @@ def test_notebook_is_executed_in_order_and_clean(path):
     asserts = 0
     for i, cell in enumerate(code, start=1):
         source = "".join(cell["source"])
-        asserts += len(re.findall(r"\bassert\b|assert_close", source))
+        asserts += len(re.findall(r"\bassert\b|assert_close|assert_claim", source))
         for out in cell["outputs"]:
             assert out["output_type"] != "error", f"cell {i} stores an error"
             assert not (out["output_type"] == "stream" and out["name"] == "stderr"), f"cell {i} wrote to stderr"
@@ -47,7 +47,25 @@ def test_notebook_is_executed_in_order_and_clean(path):
 # --- Exact and measured outputs (README, "the book on every machine") --------------------------------
 
 SWEEP_DATA = ROOT / "sweeps" / "data"
-CLAIM_NAME = re.compile(r"\bclaim\(\s*\"([^\"{}]+)\"")
+
+
+def _pending():
+    path = ROOT / "sweeps" / "pending.txt"
+    lines = [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()] if path.exists() else []
+    return dict((stem.strip(), reason.strip()) for stem, _, reason in (ln.partition(":") for ln in lines if ln))
+
+
+PENDING = _pending()
+CONVERTED = [nb for nb in NOTEBOOKS if nb.stem not in PENDING]
+
+
+def test_every_pending_notebook_exists_and_says_why():
+    # nbval does not run these (conftest.py) until their measured claims have been swept
+    for stem, reason in PENDING.items():
+        assert (ROOT / "book" / f"{stem}.ipynb").is_file(), stem
+        assert len(reason) > 20, f"{stem}: say what is missing"
+CLAIM_CALL = r"(?:\bclaim|\bassert_claim)\("
+CLAIM_NAME = re.compile(CLAIM_CALL + r"\s*\"([^\"{}]+)\"")
 
 
 def _code(path):
@@ -64,7 +82,7 @@ def _sweep():
     return module
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.name)
 def test_every_seed_goes_through_the_runtime_and_one_thread_is_used(path):
     code = "\n".join(_code(path))
     assert re.search(r"seed_everything\(\s*\d+\s*,\s*num_threads=1\s*\)", code), "seed with seed_everything(s, num_threads=1)"
@@ -74,14 +92,14 @@ def test_every_seed_goes_through_the_runtime_and_one_thread_is_used(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_measured_claims_sit_in_cells_that_nbval_does_not_compare(path):
     for i, source in enumerate(_code(path), start=1):
-        if re.search(r"\bclaim\(", source):
+        if re.search(CLAIM_CALL, source):
             assert "NBVAL_IGNORE_OUTPUT" in source, f"code cell {i} asserts a measured claim but its output is compared"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.name)
 def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
     names = set(CLAIM_NAME.findall("\n".join(_code(path))))
-    if not any(re.search(r"\bclaim\(", s) for s in _code(path)):
+    if not any(re.search(CLAIM_CALL, s) for s in _code(path)):
         return
     data = SWEEP_DATA / f"{path.stem}.jsonl"
     assert data.is_file(), f"no sweep for {path.name}: run python sweeps/run.py {path.relative_to(ROOT)}"
@@ -102,3 +120,23 @@ def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
 
 def test_the_sweep_table_is_what_the_sweep_data_says():
     assert (ROOT / "sweeps" / "README.md").read_text() == _sweep().render_table()
+
+
+# Readers do not have the project's internal notes or its numbered list of failure cases: the book and
+# the docstrings cite the primary source (a paper, or the public code file) instead.
+INTERNAL = re.compile(r"(\bseed(?:s)?\s*(?:notes?|document|00\d|§)|\b00[03]\s*§|\bknown(?: failure)? cases?\b"
+                      r"|project's (?:list|known)|\bcases?\s+\d+(?:\s*[–-]\s*\d+)? (?:of|in) (?:the|our)|shared/cases)", re.I)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_prose_cites_primary_sources_not_internal_notes(path):
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        hit = INTERNAL.search("".join(cell["source"]))
+        assert not hit, f"cell {i} refers to internal notes or case numbers: {hit.group(0)!r}"
+
+
+def test_the_docstrings_cite_primary_sources_not_internal_notes():
+    for path in sorted((ROOT / "src" / "optbook").rglob("*.py")):
+        hit = INTERNAL.search(path.read_text())
+        assert not hit, f"{path.relative_to(ROOT)} refers to internal notes or case numbers: {hit.group(0)!r}"

@@ -1,4 +1,4 @@
-"""optbook.runtime: seeds shifted by the sweep's offset, and claims that assert or record."""
+"""optbook.runtime (seeds shifted by the sweep's offset) and optbook.testing.assert_claim (asserts or records)."""
 
 import json
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from optbook import runtime
+from optbook.testing import assert_claim
 
 
 def test_seeds_are_the_notebooks_own_outside_a_sweep(monkeypatch):
@@ -38,25 +39,25 @@ def test_bad_seeds_are_refused():
 
 def test_a_claim_that_holds_returns_its_value(monkeypatch):
     monkeypatch.delenv("OPTBOOK_CLAIMS_LOG", raising=False)
-    assert runtime.claim("x", torch.tensor(2.5), ">", 2) == 2.5
-    assert runtime.claim("y", 3, "<=", 3) == 3.0
+    assert assert_claim("x", torch.tensor(2.5), ">", 2) == 2.5
+    assert assert_claim("y", 3, "<=", 3) == 3.0
 
 
 def test_a_failing_claim_names_itself_value_and_bound(monkeypatch):
     monkeypatch.delenv("OPTBOOK_CLAIMS_LOG", raising=False)
     with pytest.raises(AssertionError, match=r"ratio of norms: 1\.5 > 2\.0"):
-        runtime.claim("ratio of norms", 1.5, ">", 2)
+        assert_claim("ratio of norms", 1.5, ">", 2)
     with pytest.raises(AssertionError):
-        runtime.claim("nan never holds", float("nan"), "<", 1)
+        assert_claim("nan never holds", float("nan"), "<", 1)
 
 
 def test_claim_refuses_bad_arguments():
     with pytest.raises(ValueError, match="op"):
-        runtime.claim("x", 1, "!=", 0)
+        assert_claim("x", 1, "!=", 0)
     with pytest.raises(ValueError, match="bound"):
-        runtime.claim("x", 1, "<", float("inf"))
+        assert_claim("x", 1, "<", float("inf"))
     with pytest.raises(ValueError, match="real numbers"):
-        runtime.claim("x", "big", "<", 1)
+        assert_claim("x", "big", "<", 1)
 
 
 def test_in_a_sweep_claims_are_recorded_not_raised(monkeypatch, tmp_path):
@@ -65,8 +66,8 @@ def test_in_a_sweep_claims_are_recorded_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("OPTBOOK_SEED_OFFSET", "2018")
     monkeypatch.setenv("OPTBOOK_NOTEBOOK", "06_muon")
     monkeypatch.setenv("OPTBOOK_KERNELS", "generic")
-    runtime.claim("holds", 1.0, "<", 2)
-    runtime.claim("fails", 3.0, "<", 2)       # recorded, not raised
+    assert_claim("holds", 1.0, "<", 2)
+    assert_claim("fails", 3.0, "<", 2)       # recorded, not raised
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["claim"], r["holds"]) for r in records] == [("holds", True), ("fails", False)]
     assert records[1] == {"notebook": "06_muon", "kernels": "generic", "seed_offset": 2018, "claim": "fails",

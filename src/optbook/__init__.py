@@ -2,7 +2,7 @@
 
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
-:mod:`optbook.runtime`.
+:mod:`optbook.runtime`, :mod:`optbook.testing`.
 
 Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`) is imported
 eagerly. The other submodules are imported on first attribute access (``optbook.plotting``, ``optbook.data``, ...;
@@ -17,10 +17,10 @@ from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
 __all__ = ["data", "diagnostics", "models", "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "qk_clip_",
-           "runtime", "schedules", "training"]
+           "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn or numpy).
-_LAZY_SUBMODULES = ("data", "diagnostics", "models", "plotting", "runtime", "schedules", "training")
+_LAZY_SUBMODULES = ("data", "diagnostics", "models", "plotting", "runtime", "schedules", "testing", "training")
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
 """Per-head QK-clip (MuonClip). Explained in chapter 8.
 
-Source: Kimi K2 (arXiv:2507.20534, §2.1 and its appendix on QK-clip for MLA): after the optimizer
+Source: Kimi K2 (arXiv:2507.20534, §2.1 and Appendix D/E): after the optimizer
 step, for every head ``h`` with ``S_max^h > tau`` (the largest pre-softmax logit seen in every
 forward of this step, all micro-batches), the logits are scaled by ``gamma_h = tau / S_max^h`` by
 rescaling weights. Which rows belong to which head is read from the attention module's

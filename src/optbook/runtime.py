@@ -5,7 +5,7 @@ identities, configuration tables) are the same on every machine; nbval compares 
 results (training trajectories, bf16/fp16 arithmetic) differ in their last bits between processors,
 vector instruction sets, thread counts, PyTorch versions and GPUs, and those bits grow over a
 trajectory. A measured number is shown in a cell that nbval does not compare (``# NBVAL_IGNORE_OUTPUT``)
-and the claim made about it goes through :func:`claim`, whose bound was set by a sweep over seeds and
+and the claim made about it goes through :func:`optbook.testing.assert_claim`, whose bound was set by a sweep over seeds and
 CPU kernel configurations (``sweeps/README.md`` in the repository lists every bound with the worst
 value the sweep saw).
 
@@ -15,7 +15,7 @@ The sweep drives a notebook through three environment variables:
     an integer added to every seed that goes through :func:`seed_everything`, :func:`seeds` and
     :func:`generator`, so the same notebook runs on fresh seeds (default 0: the notebook's own seeds);
 ``OPTBOOK_CLAIMS_LOG``
-    a file path: every :func:`claim` appends one JSON line (notebook, claim, value, bound) to it and
+    a file path: every :func:`~optbook.testing.assert_claim` appends one JSON line (notebook, claim, value, bound) to it and
     does not raise when the claim fails, so one run records every claim;
 ``OPTBOOK_NOTEBOOK``, ``OPTBOOK_KERNELS``
     labels written into those lines.
@@ -23,18 +23,13 @@ The sweep drives a notebook through three environment variables:
 
 from __future__ import annotations
 
-import json
-import math
-import operator
 import os
 import random
 
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "seed_offset", "seeds", "generator", "default_device", "claim", "glue"]
-
-_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
+__all__ = ["seed_everything", "seed_offset", "seeds", "generator", "default_device", "glue"]
 
 
 def seed_offset() -> int:
@@ -102,49 +97,6 @@ def seed_everything(seed: int = 0, *, num_threads: int | None = 2) -> torch.Gene
 def default_device() -> torch.device:
     """``cuda`` when a GPU is visible, else ``cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def claim(name: str, value, op: str, bound: float) -> float:
-    """Assert a measured claim ``value <op> bound`` (``op`` one of ``<``, ``<=``, ``>``, ``>=``, ``==``).
-
-    Use it for every claim about a number that comes from a training run or from low-precision
-    arithmetic; the bound must come from the sweep in ``sweeps/`` (worst value seen, plus a margin).
-    Outside a sweep a failed claim raises ``AssertionError`` naming the claim, the value and the bound.
-    Inside a sweep (``OPTBOOK_CLAIMS_LOG`` set) the claim is appended to that file as one JSON line and
-    nothing is raised.
-
-    Args:
-        name: a short, stable description; it keys the sweep table, so keep it unique per notebook.
-        value: a real number (Python number, NumPy scalar or one-element tensor); ``bool`` counts as 0/1.
-        op: the comparison.
-        bound: the threshold (a finite real number).
-
-    Returns:
-        ``value`` as a Python float.
-
-    Raises:
-        ValueError: ``op`` is unknown, or ``value``/``bound`` is not a real number, or ``bound`` is not finite.
-        AssertionError: the claim fails (outside a sweep); a NaN value always fails.
-    """
-    if op not in _OPS:
-        raise ValueError(f"Invalid op: expected one of {sorted(_OPS)}, got {op!r}")
-    try:
-        x = float(value.item() if isinstance(value, torch.Tensor) else value)
-        b = float(bound)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"Invalid claim {name!r}: value and bound must be real numbers, got {value!r}, {bound!r}") from None
-    if not math.isfinite(b):
-        raise ValueError(f"Invalid bound for claim {name!r}: expected a finite number, got {bound!r}")
-    holds = bool(_OPS[op](x, b))          # NaN compares False: a NaN value never holds
-    log = os.environ.get("OPTBOOK_CLAIMS_LOG")
-    if log:
-        record = {"notebook": os.environ.get("OPTBOOK_NOTEBOOK", ""), "kernels": os.environ.get("OPTBOOK_KERNELS", ""),
-                  "seed_offset": seed_offset(), "claim": name, "value": x, "op": op, "bound": b, "holds": holds}
-        with open(log, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
-        return x
-    assert holds, f"claim failed: {name}: {x!r} {op} {b!r} does not hold"
-    return x
 
 
 def glue(name: str, value, *, display: bool = False):
