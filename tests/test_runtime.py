@@ -72,3 +72,15 @@ def test_in_a_sweep_claims_are_recorded_not_raised(monkeypatch, tmp_path):
     assert [(r["claim"], r["holds"]) for r in records] == [("holds", True), ("fails", False)]
     assert records[1] == {"notebook": "06_muon", "kernels": "generic", "seed_offset": 2018, "claim": "fails",
                           "value": 3.0, "op": "<", "bound": 2.0, "holds": False}
+
+
+def test_glue_writes_numpy_and_tensor_scalars_as_plain_numbers(monkeypatch):
+    # {glue:text}`name:.2f` formats the text/plain form; NumPy 2 writes np.float64(1.5) there
+    np = pytest.importorskip("numpy")
+    myst_nb = pytest.importorskip("myst_nb")
+    seen = {}
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display=False: seen.__setitem__(name, value))
+    for name, value in (("np", np.float64(1.5)), ("tensor", torch.tensor(1.5)), ("int", np.int64(3))):
+        assert runtime.glue(name, value) is value
+        assert type(seen[name]) in (float, int) and repr(seen[name]) in ("1.5", "3"), (name, seen[name])
+    assert runtime.glue("list", [1.0]) == [1.0] and seen["list"] == [1.0]

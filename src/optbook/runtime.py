@@ -107,6 +107,9 @@ def glue(name: str, value, *, display: bool = False):
     otherwise (for example on Colab, where the prose is static anyway). Glue from a cell marked
     ``# NBVAL_IGNORE_OUTPUT`` when the value comes from a trajectory.
 
+    A NumPy scalar or a one-element tensor is glued as the Python number it holds: NumPy 2 writes
+    ``np.float64(1.5)`` as its text form, which ``{glue:text}`` cannot format.
+
     Returns:
         ``value`` unchanged.
     """
@@ -114,5 +117,6 @@ def glue(name: str, value, *, display: bool = False):
         from myst_nb import glue as _glue
     except ImportError:  # pragma: no cover - only without myst-nb
         return value
-    _glue(name, value, display=display)
+    plain = value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+    _glue(name, plain, display=display)
     return value
