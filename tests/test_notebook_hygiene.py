@@ -44,6 +44,24 @@ def test_notebook_is_executed_in_order_and_clean(path):
     assert asserts > 0, "a notebook that asserts nothing checks nothing"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_figure_cell_shows_one_figure_and_glues_plain_numbers(path):
+    # myst-nb wraps every rich output of a cell with figure metadata in a figure with the cell's label:
+    # an execute_result next to the image (a last line that returns a value) makes a second figure with
+    # the same label, and `make book` fails. A glued value must be a plain number or text: NumPy 2 writes
+    # np.float64(...) as its text form, which {glue:text} cannot format.
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        if "figure" in cell.get("metadata", {}).get("mystnb", {}):
+            kinds = [o["output_type"] for o in cell["outputs"]]
+            assert "execute_result" not in kinds, f"cell {i}: end the figure cell with ';'"
+        for out in cell["outputs"]:
+            glued = out.get("data", {}).get("application/papermill.record/text/plain", "")
+            assert not re.match(r"(np|numpy)\.|tensor\(", glued), f"cell {i} glues {glued!r}"
+
+
 # --- Exact and measured outputs (README, "the book on every machine") --------------------------------
 
 SWEEP_DATA = ROOT / "sweeps" / "data"
