@@ -107,7 +107,7 @@ def glue(name: str, value, *, display: bool = False):
     otherwise (for example on Colab, where the prose is static anyway). Glue from a cell marked
     ``# NBVAL_IGNORE_OUTPUT`` when the value comes from a trajectory.
 
-    A NumPy scalar or a one-element tensor is glued as the Python number it holds: NumPy 2 writes
+    A NumPy scalar or a 0-d tensor is glued as the Python number it holds: NumPy 2 writes
     ``np.float64(1.5)`` as its text form, which ``{glue:text}`` cannot format.
 
     Returns:
