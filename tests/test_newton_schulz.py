@@ -143,3 +143,23 @@ def test_cubic_schedule_in_low_precision_stays_finite_and_converges(dtype):
     assert torch.isfinite(out).all()
     sv = torch.linalg.svdvals(out)
     assert float(sv.min()) > 0.95 and float(sv.max()) < 1.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (24, 40)])
+def test_low_precision_cpu_path_matches_the_plain_iteration(dtype, shape):
+    # On a CPU the low-precision iteration passes its right operands column-major (a faster bmm);
+    # it must compute the same iteration: compare with the plain loop in the same dtype. Tolerance:
+    # both round every product to bf16/fp16, in possibly different orders, over 5 steps.
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    X = G / torch.linalg.matrix_norm(G, keepdim=True)
+    tall = shape[-2] > shape[-1]
+    X = (X.mT if tall else X).to(dtype)
+    for a, b, c in ns_schedule("simple", 5):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    plain = (X.mT if tall else X).float()
+    ours = newton_schulz(G, dtype=dtype).float()
+    assert (ours - plain).abs().max() < 0.05
+    reference = newton_schulz(G, dtype=torch.float64).float()
+    assert (ours - reference).abs().max() <= 1.5 * (plain - reference).abs().max() + 1e-3

@@ -67,6 +67,21 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
     return [tuple(float(x) for x in base[min(i, len(base) - 1)]) for i in range(steps)]
 
 
+def _same(Y: torch.Tensor) -> torch.Tensor:
+    return Y
+
+
+def _column_major(Y: torch.Tensor) -> torch.Tensor:
+    """``Y`` with the same values, stored column-major (a transpose copy, O(mn) of the O(m^2 n) product).
+
+    On CPUs without bf16/fp16 matrix instructions, PyTorch's low-precision ``bmm`` is 5-10x faster
+    when its right operand is column-major (measured with torch 2.13 on an AVX2-only CPU: B X of
+    8 x (192, 192) @ (192, 768) in bf16 takes 350 ms row-major, 46 ms column-major). The values,
+    and so the mathematics, are unchanged; only the order of the rounding inside the kernel may differ.
+    """
+    return Y.mT.contiguous().mT
+
+
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence = "simple", eps: float = 1e-7,
                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` by ``steps`` Newton–Schulz iterations.
@@ -105,13 +120,14 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     tall = G.shape[-2] > G.shape[-1]
     if tall:  # work on the wide orientation: the Gram matrix is min(m, n) squared
         X = X.mT
-    X = X.reshape(-1, *X.shape[-2:])  # one batch dimension for baddbmm
+    X = X.reshape(-1, *X.shape[-2:]).contiguous()  # one batch dimension for baddbmm, rows in memory
+    right = _column_major if X.device.type == "cpu" and X.dtype in (torch.bfloat16, torch.float16) else _same
     for a, b, c in schedule:
         A = X @ X.mT
         # fused multiply-adds: one rounding each, which matters in bf16 (b A and c A^2 nearly cancel)
         # (c == 0, the cubic: torch 2.13's CPU baddbmm with alpha=0 ignores beta in bf16/fp16 for n >= 32)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
-        X = torch.baddbmm(X, B, X, beta=a)            # a X + B X
+        B = torch.baddbmm(A, A, right(A), beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
+        X = torch.baddbmm(X, B, right(X), beta=a)            # a X + B X
     X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if tall:
         X = X.mT
