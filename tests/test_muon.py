@@ -228,3 +228,27 @@ def test_all_finite_sees_every_non_finite_value_and_no_large_finite_one(bad):
         broken = [t.clone() for t in ok]
         broken[i].view(-1)[-1] = bad
         assert not all_finite(broken)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float64, torch.bfloat16])
+def test_a_global_clip_does_not_change_muons_update(ns_dtype):
+    # A clip multiplies every gradient by c; Muon's update must not depend on c. Newton-Schulz's
+    # eps floor used to shrink it once ||M||_F < eps (0.77x at c = 1e-6, 0.068x at 1e-8).
+    g = torch.Generator().manual_seed(0)
+    G = torch.randn(16, 8, generator=g, dtype=torch.float64) * 0.05
+
+    def update(scale):
+        W = torch.zeros(16, 8, dtype=torch.float64, requires_grad=True)
+        opt = Muon([W], lr=1.0, ns_dtype=ns_dtype)
+        W.grad = G * scale
+        opt.step()
+        return -W.detach()
+
+    reference = update(1.0)
+    for c in (1e-6, 1e-8, 1e-9, 1e-12, 1e-30):
+        ratio = float(torch.linalg.matrix_norm(update(c)) / torch.linalg.matrix_norm(reference))
+        tol = 1e-12 if ns_dtype == torch.float64 else 0.02  # bf16: the cast rounds c*G differently
+        assert abs(ratio - 1) <= tol, (c, ratio)
+        torch.testing.assert_close(update(c), reference, rtol=0, atol=tol * 10)
+    assert torch.equal(update(2.0 ** -40), reference)  # a power of two: bit for bit
+    assert torch.equal(update(0.0), torch.zeros(16, 8, dtype=torch.float64))  # zero stays zero

@@ -88,6 +88,28 @@ def split_rows(rows: int, head_split) -> list[int]:
     return sizes
 
 
+def exact_rescale(D: torch.Tensor) -> torch.Tensor:
+    """``D`` times a power of two per matrix so that its largest absolute entry lies in ``[0.5, 1)``.
+
+    Multiplying by a power of two is exact, so Newton-Schulz's normalisation ``X / max(||X||_F, eps)``
+    gives bitwise the same ``X`` as before whenever ``||D||_F >= eps``; what changes is that a small ``D``
+    (a gradient shrunk by a global clip, ``||D||_F < eps``) no longer falls under the ``eps`` floor, whose
+    division would shrink the whole update (by 0.77 at a clip factor of 1e-6, 0.068 at 1e-8). Muon's
+    direction is then the same for every non-zero scale of the gradient; a zero matrix stays zero.
+
+    Args:
+        D: ``(..., m, n)`` real floating tensor.
+
+    Returns:
+        A new tensor of ``D``'s shape, in float32 for a float16/bfloat16 ``D`` (scaling float16 down
+        could flush its small entries to zero), else in ``D``'s dtype. Exponents below -126 are
+        clamped, so a subnormal ``D`` is scaled by at most ``2**126``.
+    """
+    amax = D.abs().amax(dim=(-2, -1), keepdim=True)
+    exponent = torch.frexp(amax.float()).exponent.clamp_(min=-126, max=127)
+    return D * torch.exp2(-exponent.float())  # float16/bfloat16 go to float32: no entry is lost
+
+
 @torch.no_grad()
 def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
@@ -118,7 +140,7 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
             by_shape[tuple(b.shape)].append((i, j))
     for shape, where in by_shape.items():
         batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
-        O = newton_schulz(batch, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
         O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
         for k, (i, j) in enumerate(where):
             blocks[i][j] = O if len(where) == 1 else O[k]
@@ -142,7 +164,9 @@ class Muon(BookOptimizer):
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr`` (Moonlight eq. 3).
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
-        eps: Newton–Schulz normaliser floor ``> 0``.
+        eps: Newton–Schulz normaliser floor ``> 0``. Muon first rescales each block by a power of two
+            (:func:`exact_rescale`), so the floor only ever acts on a zero block: a global gradient
+            clip, however strong, does not change Muon's direction (chapter 12).
         ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
         head_split: per-group row split before orthogonalisation (:func:`split_rows`);
             ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
