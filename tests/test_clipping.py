@@ -164,3 +164,25 @@ def test_importing_clipping_pulls_in_neither_matplotlib_nor_sklearn():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
 
+
+def test_train_sequence_model_clips_and_skips_the_step_when_the_norm_is_not_finite():
+    from optbook.training import train_sequence_model
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    calls = []
+
+    def poison_once(grad):  # the second backward pass sees a NaN gradient
+        calls.append(1)
+        return torch.full_like(grad, math.nan) if len(calls) == 2 else grad
+
+    model[1].weight.register_hook(poison_once)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 5, (3, 6), generator=torch.Generator().manual_seed(0))
+    weights = []
+    log = train_sequence_model(model, opt, lambda step: (tokens, tokens), steps=3, max_grad_norm=1e-3,
+                               after_step=lambda step, m, o: weights.append(m[1].weight.detach().clone()))
+    assert log.skipped_steps == [1]
+    assert torch.equal(weights[1], weights[0]) and not torch.equal(weights[2], weights[1])
+    assert all(torch.isfinite(w).all() for w in weights)
+    # the steps taken were clipped: the SGD update lr * g has norm at most lr * max_norm over all parameters
+    assert (weights[2] - weights[1]).norm() <= 0.1 * 1e-3 * (1 + 1e-5)
