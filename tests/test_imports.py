@@ -20,7 +20,8 @@ def test_importing_the_optimizers_pulls_in_neither_matplotlib_nor_sklearn():
 
 
 def test_the_package_still_exposes_every_submodule_on_first_use():
-    for name in ("data", "diagnostics", "models", "optim", "plotting", "runtime", "schedules", "training"):
+    for name in ("clipping", "data", "diagnostics", "distributed", "models", "optim", "plotting", "runtime",
+                 "schedules", "training"):
         assert getattr(optbook, name).__name__ == f"optbook.{name}"
     assert callable(optbook.newton_schulz) and callable(optbook.qk_clip_)
     assert set(optbook.__all__) <= set(dir(optbook))
