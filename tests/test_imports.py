@@ -1,4 +1,5 @@
-"""``import optbook.optim`` needs torch only; ``import optbook`` still gives every submodule."""
+"""``import optbook.optim`` and ``import optbook.clipping`` need torch only; ``import optbook`` still gives
+every submodule."""
 
 import os
 import subprocess
@@ -12,8 +13,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_importing_the_optimizers_pulls_in_neither_matplotlib_nor_sklearn():
-    done = _run("import optbook.optim, sys; "
+def test_importing_the_optimizers_and_clipping_pulls_in_neither_matplotlib_nor_sklearn():
+    done = _run("import optbook.optim, optbook.clipping, sys; "
                 "assert 'matplotlib' not in sys.modules and 'sklearn' not in sys.modules, "
                 "sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'sklearn'))")
     assert done.returncode == 0, done.stderr
