@@ -1,6 +1,7 @@
 """optbook: the package behind *Optimizers, Derived*.
 
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
+:mod:`optbook.clipping`, :mod:`optbook.distributed`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
 :mod:`optbook.runtime`, :mod:`optbook.testing`.
 
@@ -16,11 +17,12 @@ from .newton_schulz import newton_schulz, ns_schedule, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
-__all__ = ["data", "diagnostics", "models", "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "qk_clip_",
-           "runtime", "schedules", "testing", "training"]
+__all__ = ["clipping", "data", "diagnostics", "distributed", "models", "newton_schulz", "ns_schedule",
+           "optim", "plotting", "polar_factor", "qk_clip_", "runtime", "schedules", "testing", "training"]
 
-#: Submodules imported on first use (they pull in matplotlib, scikit-learn or numpy).
-_LAZY_SUBMODULES = ("data", "diagnostics", "models", "plotting", "runtime", "schedules", "testing", "training")
+#: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
+_LAZY_SUBMODULES = ("clipping", "data", "diagnostics", "distributed", "models", "plotting", "runtime",
+                    "schedules", "testing", "training")
 
 
 def __getattr__(name: str):

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .clipping import clip_grad_norm_
+
 __all__ = ["TrainLog", "train", "evaluate", "SequenceLog", "train_sequence_model"]
 
 
@@ -106,11 +108,13 @@ class SequenceLog:
     """What :func:`train_sequence_model` recorded: ``losses`` (per step, before the step) and, for
     models with ``max_logits()``, ``max_logits`` ``(steps, n_layers, n_heads)`` (float32; float64 for a
     float64 model) -- the per-head maximum attention logit of each step's forward, before any
-    clipping -- and ``after_step``'s return values in ``extras``."""
+    clipping -- ``after_step``'s return values in ``extras``, and in ``skipped_steps`` the steps whose
+    optimizer step was skipped because the gradient norm was not finite (only with ``max_grad_norm``)."""
 
     losses: list[float] = field(default_factory=list)
     max_logits: torch.Tensor | None = None
     extras: list = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
 
 
 def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sample: Callable, *, steps: int,
@@ -126,7 +130,11 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
         scheduler: optional LR scheduler, stepped after each optimizer step.
         after_step: optional ``after_step(step, model, optimizer)`` run after ``optimizer.step()``
             (e.g. ``optbook.qk_clip_``); what it returns is kept in ``SequenceLog.extras``.
-        max_grad_norm: clip the global gradient norm before the step (``torch.nn.utils.clip_grad_norm_``).
+        max_grad_norm: clip the global gradient norm to this value before the step
+            (:func:`optbook.clipping.clip_grad_norm_`). When that norm is ``inf`` or ``NaN`` the gradients
+            are left as they are and ``optimizer.step()`` is skipped for that step (recorded in
+            ``SequenceLog.skipped_steps``); the scheduler and ``after_step`` still run, so the schedule stays
+            indexed by step.
 
     Raises:
         ValueError: ``steps < 1``.
@@ -146,9 +154,11 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
         loss.backward()
         if hasattr(model, "max_logits"):
             maxima.append(model.max_logits().clone())
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
+        norm = None if max_grad_norm is None else clip_grad_norm_(model.parameters(), max_grad_norm)
+        if norm is not None and not torch.isfinite(norm):
+            log.skipped_steps.append(step)  # an inf/NaN gradient: stepping would write it into the weights
+        else:
+            optimizer.step()
         if scheduler is not None:
             scheduler.step()
         if after_step is not None:

@@ -1,0 +1,238 @@
+"""Global gradient-norm clipping, safe in low precision and across processes. Explained in chapter 12.
+
+Sources: global-norm clipping is Pascanu, Mikolov and Bengio (2013), "On the difficulty of training
+recurrent neural networks" (ICML, arXiv:1211.5063, section 3.2): rescale the *whole* gradient ``g``
+(every parameter's gradient viewed as one vector) to ``g * max_norm / ||g||`` when ``||g|| > max_norm``.
+The coefficient ``max_norm / (||g|| + 1e-6)``, applied only when it is below 1, and returning the norm
+*before* clipping follow PyTorch's ``torch.nn.utils.clip_grad_norm_``. The distributed part (one sum
+of squares all-reduced over the ranks, parameters held by every rank counted on one rank only) follows
+Megatron-LM's ``megatron/core/optimizer/clip_grads.py`` (``get_grad_norm_fp32``,
+``clip_grad_by_total_norm_fp32``) and ``param_is_not_tensor_parallel_duplicate`` in
+``megatron/core/tensor_parallel/layers.py``.
+
+What differs from ``torch.nn.utils.clip_grad_norm_``:
+
+* The norm is accumulated in float64 whatever the gradients' dtype, and the clip multiplies in float64
+  with one rounding back per element, so float16/bfloat16/float32 gradients neither overflow (a float32
+  ``1e20 * ones(100)`` has norm ``1e21``, not ``inf``) nor underflow to zero when scaled. Should the
+  float64 sum of squares itself overflow (float64 gradients with a norm above about ``1.3e154``; float32
+  gradients cannot get there), the norm is recomputed as ``amax * ||g / amax||``, so every finite
+  gradient has a finite norm up to float64's largest number.
+* A non-finite norm (an ``inf`` or ``NaN`` in any gradient) leaves every gradient untouched, instead
+  of writing ``inf * 0 = NaN`` into them; the caller can skip the step.
+* The same tensor listed twice (tied weights) is counted and scaled once.
+* ``group=`` sums the squares over the ranks of a ``torch.distributed`` process group.
+
+Convention for parameters held by every rank (``group`` given): a parameter with the attribute
+``optbook_replicated = True`` (see :data:`REPLICATED`) holds the same gradient on every rank of the group
+and is counted on the group's rank 0 only; every other parameter is taken to be this rank's own (a
+shard, or a parameter no other rank holds) and is counted on every rank. Megatron marks the opposite
+set (``tensor_model_parallel = True`` on split parameters, every unmarked parameter counted on
+tensor-parallel rank 0 only) because there most parameters are replicated; here the common case is
+sharding (each rank passes the parameters it owns), which then needs no marking. Without ``group`` the
+attribute is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .optim._validation import check_bool, check_number
+
+__all__ = ["REPLICATED", "clip_grad_norm_", "get_grad_norm"]
+
+#: Marks a parameter held identically by every rank of the group: ``p.optbook_replicated = True``.
+REPLICATED = "optbook_replicated"
+
+#: Added to the norm in the coefficient ``max_norm / (norm + EPS)``, as ``torch.nn.utils.clip_grad_norm_``.
+EPS = 1e-6
+
+
+def _unique_params(params) -> list[torch.Tensor]:
+    """``params`` as a list, each tensor object once (first occurrence kept, order kept)."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    seen, out = set(), []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"Invalid params: element {i} is a {type(p).__name__}, expected a torch.Tensor")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, grad)`` for every parameter with a gradient, after checking the gradient is usable."""
+    pairs = []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if g.layout != torch.strided:
+            raise TypeError(f"Invalid grad of parameter {i} (shape {tuple(p.shape)}): sparse gradients are "
+                            "not supported; use dense gradients (e.g. nn.Embedding(sparse=False))")
+        if g.is_complex() or not g.is_floating_point():
+            raise TypeError(f"Invalid grad of parameter {i}: dtype {g.dtype}; expected a real floating-point "
+                            "dtype (float16, bfloat16, float32 or float64)")
+        pairs.append((p, g))
+    return pairs
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("Invalid group: a process group was given but torch.distributed is not "
+                           "initialised (call torch.distributed.init_process_group, or "
+                           "optbook.distributed.launch, first)")
+    return dist.get_rank(group)
+
+
+def _all_reduce(t: torch.Tensor, group, op) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _reduce_device(grads: list[torch.Tensor], group) -> torch.device:
+    """Where the norm lives: the first gradient's device; with no gradient, CPU (the current CUDA device
+    for an NCCL group, which cannot reduce CPU tensors)."""
+    if grads:
+        return grads[0].device
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def get_grad_norm(params, group=None) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params`` as one vector: ``sqrt(sum of ||p.grad||^2)``.
+
+    Args:
+        params: a tensor or an iterable of tensors (parameters); their ``.grad`` is read (any shape;
+            float16, bfloat16, float32 or float64). Parameters whose ``grad`` is ``None`` are skipped; the
+            same tensor object listed more than once is counted once.
+        group: ``None`` for this process's gradients only, or a ``torch.distributed`` process group
+            (``torch.distributed.group.WORLD`` for all processes): the float64 sums of squares of the
+            ranks are all-reduced (SUM) before the square root, so every rank gets the same norm.
+            Parameters with ``optbook_replicated = True`` are then counted on the group's rank 0 only
+            (module docstring). Every rank of the group must call this function (it is a collective).
+
+    Returns:
+        A 0-dim float64 tensor (units of the gradient) on the first gradient's device (CPU when there
+        is no gradient: norm 0). ``inf`` if a gradient holds ``inf`` and no ``NaN``, ``NaN`` if one
+        holds ``NaN`` (on any rank of ``group``: every rank returns the same value).
+
+    Raises:
+        TypeError: an element of ``params`` is not a tensor, or a gradient is sparse, complex or integer.
+        RuntimeError: ``group`` is given but ``torch.distributed`` is not initialised.
+
+    Precision: each gradient is summed in float64 (``torch.linalg.vector_norm(g, dtype=float64)``), so no
+    float16/bfloat16/float32 gradient can overflow. When the float64 sum of squares overflows although
+    every entry is finite (float64 gradients of norm above ~1.3e154), the norm is recomputed as
+    ``amax * ||g / amax||`` with ``amax`` the largest ``|entry|`` over all ranks, which is finite up to
+    ``1.8e308``.
+
+    Source: ``torch.nn.utils.get_total_norm``; Megatron-LM ``get_grad_norm_fp32`` (clip_grads.py).
+    """
+    import torch.distributed as dist
+
+    pairs = _grads(_unique_params(params))
+    device = _reduce_device([g for _, g in pairs], group)
+    if group is not None and _group_rank(group) != 0:
+        pairs = [(p, g) for p, g in pairs if not getattr(p, REPLICATED, False)]
+    grads = [g for _, g in pairs]
+    sumsq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sumsq += torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
+    if group is not None:
+        _all_reduce(sumsq, group, dist.ReduceOp.SUM)
+    if torch.isfinite(sumsq):  # the common case: one pass, one collective
+        return sumsq.sqrt()
+    # Non-finite: an inf/NaN entry somewhere, or an overflow of the float64 sum. Every rank sees the same
+    # reduced value, so every rank takes this branch and the collectives below stay matched.
+    found = torch.zeros(2, dtype=torch.float64, device=device)  # [any NaN, any inf] on this rank
+    for g in grads:
+        found[0] += g.isnan().any().to(device)
+        found[1] += g.isinf().any().to(device)
+    if group is not None:
+        _all_reduce(found, group, dist.ReduceOp.SUM)
+    if found[0] > 0:
+        return torch.full((), math.nan, dtype=torch.float64, device=device)
+    if found[1] > 0:
+        return torch.full((), math.inf, dtype=torch.float64, device=device)
+    amax = torch.zeros((), dtype=torch.float64, device=device)  # every entry finite: rescale by the max
+    for g in grads:
+        if g.numel():
+            amax = torch.maximum(amax, g.abs().max().to(device, torch.float64))
+    if group is not None:
+        _all_reduce(amax, group, dist.ReduceOp.MAX)
+    scaled = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        scaled += torch.linalg.vector_norm(g.to(torch.float64) / amax.to(g.device)).to(device).square()
+    if group is not None:
+        _all_reduce(scaled, group, dist.ReduceOp.SUM)
+    return amax * scaled.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm, group=None, error_if_nonfinite=False) -> torch.Tensor:
+    """Scale all gradients of ``params`` in place by ``min(1, max_norm / (norm + 1e-6))``; return the norm.
+
+    ``norm`` is :func:`get_grad_norm` ``(params, group)``: one L2 norm over every gradient (over every rank
+    of ``group``), so the direction of the whole gradient is kept and only its length is capped
+    (Pascanu et al., 2013). The gradients are scaled only when the coefficient is below 1; otherwise they
+    are left bitwise untouched. With ``group``, every rank applies the same coefficient to all of its
+    gradients, replicated ones included.
+
+    Args:
+        params: a tensor or an iterable of tensors whose ``.grad`` is clipped (any shape; float16,
+            bfloat16, float32 or float64); ``grad is None`` is skipped, a tensor listed twice is scaled once.
+        max_norm: the largest allowed global norm (units of the gradient), a finite number ``> 0``
+            (a Python number or a one-element real tensor).
+        group: as in :func:`get_grad_norm` (``None``: this process only); a collective when given.
+        error_if_nonfinite: raise instead of returning a non-finite norm.
+
+    Returns:
+        The global norm *before* clipping: a 0-dim float64 tensor. When it is ``inf`` or ``NaN`` no
+        gradient is changed (scaling would write ``inf * 0 = NaN`` or ``NaN`` into them); the caller
+        should skip the optimizer step (as :func:`optbook.training.train_sequence_model` does).
+
+    Raises:
+        TypeError: ``max_norm`` is not a real number (bool, str, ...), ``error_if_nonfinite`` is not a
+            bool, or a parameter or gradient as in :func:`get_grad_norm`.
+        ValueError: ``max_norm`` is ``<= 0``, ``NaN`` or infinite; the message names ``max_norm``.
+        RuntimeError: ``error_if_nonfinite=True`` and the norm is ``inf`` or ``NaN`` (as
+            ``torch.nn.utils.clip_grad_norm_``).
+        Every error is raised before any gradient is written.
+
+    Precision: the coefficient is a float64 number and each gradient is multiplied in float64 and
+    rounded once to its own dtype, so a float16 gradient is not zeroed by a coefficient below float16's
+    smallest number; the float64 copy of one gradient at a time is the memory cost.
+
+    Source: ``torch.nn.utils.clip_grad_norm_``; Megatron-LM ``clip_grad_by_total_norm_fp32`` (clip_grads.py).
+    """
+    max_norm = check_number("max_norm", max_norm, low=0.0, low_open=True)
+    check_bool("error_if_nonfinite", error_if_nonfinite)
+    params = _unique_params(params)
+    norm = get_grad_norm(params, group=group)
+    if not torch.isfinite(norm):
+        if error_if_nonfinite:
+            raise RuntimeError(f"Non-finite gradient norm: got {norm.item()} (a gradient holds inf or NaN); "
+                               "no gradient was changed. Skip this step, or pass error_if_nonfinite=False to "
+                               "get the norm back instead")
+        return norm
+    coef = max_norm / (norm.item() + EPS)  # a Python float: float64
+    if coef < 1.0:
+        for _, g in _grads(params):
+            if g.dtype == torch.float64:
+                g.mul_(coef)
+            else:
+                g.copy_(g.to(torch.float64).mul_(coef))
+    return norm

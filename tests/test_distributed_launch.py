@@ -1,0 +1,101 @@
+"""optbook.distributed.launch with two gloo processes: the sharded clip agrees with one process, and a
+failing rank fails the launch quickly with its rank and traceback instead of hanging."""
+
+import time
+
+import pytest
+import torch
+
+from optbook.clipping import get_grad_norm
+from optbook.distributed import launch
+from optbook.distributed.workers import clip_problem, raise_on_rank, sharded_clip_worker
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """Both ranks' reports from one launch (each launch spends a few seconds importing torch twice)."""
+    return launch(sharded_clip_worker, WORLD_SIZE, seed=3, max_norm=1.0, timeout=30.0)
+
+
+def test_launch_returns_one_result_per_rank_in_rank_order(sharded):
+    assert [r["rank"] for r in sharded] == [0, 1]
+    assert [r["owned"] for r in sharded] == [[0, 2, 4], [1, 3, 5]]
+    assert all(t.device.type == "cpu" and not t.requires_grad for r in sharded for t in r["clipped"])
+
+
+def test_all_reduced_norm_equals_the_single_process_norm(sharded):
+    params, replicated = clip_problem(seed=3)
+    single = get_grad_norm(params + [replicated]).item()
+    for r in sharded:
+        assert r["full_norm"] == single
+        assert r["group_norm"] == pytest.approx(single, rel=1e-12)
+        assert r["clip_norm"] == pytest.approx(single, rel=1e-12)
+
+
+def test_the_local_norm_alone_is_wrong(sharded):
+    for r in sharded:
+        assert r["local_norm"] < 0.9 * r["full_norm"]
+    # the two ranks' local squares add up to the true square plus the replicated gradient counted twice
+    _, replicated = clip_problem(seed=3)
+    total = sum(r["local_norm"] ** 2 for r in sharded) - replicated.grad.square().sum().item()
+    assert total == pytest.approx(sharded[0]["full_norm"] ** 2, rel=1e-12)
+
+
+def test_the_replicated_parameter_is_counted_once(sharded):
+    _, replicated = clip_problem(seed=3)
+    extra = replicated.grad.square().sum().item()  # counted once more when unmarked, on rank 1
+    for r in sharded:
+        assert r["unmarked_norm"] ** 2 == pytest.approx(r["full_norm"] ** 2 + extra, rel=1e-12)
+
+
+def test_sharded_clip_matches_torch_nn_utils_clip_grad_norm_in_one_process(sharded):
+    params, replicated = clip_problem(seed=3)
+    torch.nn.utils.clip_grad_norm_(params + [replicated], 1.0)  # the single-process reference
+    for r in sharded:
+        for i, g in zip(r["owned"], r["clipped"]):
+            torch.testing.assert_close(g, params[i].grad, rtol=1e-14, atol=0)
+        torch.testing.assert_close(r["clipped_replicated"], replicated.grad, rtol=1e-14, atol=0)
+
+
+def test_a_failing_rank_fails_the_launch_with_its_rank_and_traceback_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 raised") as info:
+        launch(raise_on_rank, WORLD_SIZE, bad_rank=1, timeout=120.0)
+    assert "ValueError: rank 1 fails on purpose" in str(info.value) and "Traceback" in str(info.value)
+    assert time.monotonic() - start < 60.0  # rank 0 could wait 120 s in its barrier: it was stopped
+
+
+def test_functions_a_spawned_process_cannot_import_are_refused_before_starting():
+    with pytest.raises(ValueError, match="module-level"):
+        launch(lambda rank, world_size: rank, WORLD_SIZE)
+
+    def nested(rank, world_size):
+        return rank
+
+    with pytest.raises(ValueError, match="module-level"):
+        launch(nested, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("kwargs, error, word", [
+    (dict(world_size=0), ValueError, "world_size"),
+    (dict(world_size=True), ValueError, "world_size"),
+    (dict(backend="mpi"), ValueError, "backend"),
+    (dict(timeout=0.0), ValueError, "timeout"),
+    (dict(timeout=float("inf")), ValueError, "timeout"),
+    (dict(timeout="60"), TypeError, "timeout"),
+])
+def test_bad_arguments_are_refused_before_starting(kwargs, error, word):
+    kwargs = {"world_size": WORLD_SIZE, **kwargs}
+    with pytest.raises(error, match=word):
+        launch(raise_on_rank, **kwargs)
+
+
+def test_init_from_env_names_the_missing_variables(monkeypatch):
+    from optbook.distributed import init_from_env
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        init_from_env()
