@@ -127,14 +127,14 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
         optimizer: any optimizer over the model's parameters.
         sample: ``sample(step) -> (inputs, targets)``; targets equal to -100 are ignored.
         steps: number of steps, ``>= 1``.
-        scheduler: optional LR scheduler, stepped after each optimizer step.
+        scheduler: optional LR scheduler, stepped after each applied optimizer step.
         after_step: optional ``after_step(step, model, optimizer)`` run after ``optimizer.step()``
             (e.g. ``optbook.qk_clip_``); what it returns is kept in ``SequenceLog.extras``.
         max_grad_norm: clip the global gradient norm to this value before the step
             (:func:`optbook.clipping.clip_grad_norm_`). When that norm is ``inf`` or ``NaN`` the gradients
             are left as they are and ``optimizer.step()`` is skipped for that step (recorded in
-            ``SequenceLog.skipped_steps``); the scheduler and ``after_step`` still run, so the schedule stays
-            indexed by step.
+            ``SequenceLog.skipped_steps``) and the scheduler is not stepped (a skipped step applied
+            nothing, so it consumes none of the schedule); ``after_step`` still runs.
 
     Raises:
         ValueError: ``steps < 1``.
@@ -159,8 +159,8 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
             log.skipped_steps.append(step)  # an inf/NaN gradient: stepping would write it into the weights
         else:
             optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+            if scheduler is not None:  # a skipped step applied nothing: it does not advance the schedule
+                scheduler.step()
         if after_step is not None:
             log.extras.append(after_step(step, model, optimizer))
         log.losses.append(loss.item())
