@@ -435,15 +435,17 @@ def _run(opt, sched, W, b, iterations):
     return applied
 
 
-def _build(W, b):
+def _build(W, b, state_dtype=None):
     opt = MixedPrecisionOptimizer(AdamW([W, b], lr=3e-2, weight_decay=0.1),
-                                  DynamicLossScaler(initial_scale=2.0**12, growth_interval=2, hysteresis=2))
+                                  DynamicLossScaler(initial_scale=2.0**12, growth_interval=2, hysteresis=2),
+                                  state_dtype=state_dtype)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
 
 
-def test_resume_is_bit_identical():
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_resume_is_bit_identical(state_dtype):
     W, b = bf16_pair()
-    opt, sched = _build(W, b)
+    opt, sched = _build(W, b, state_dtype)
     straight = _run(opt, sched, W, b, range(10))
     assert straight == [True, True, False, False, True, True, False, True, True, True]
     # scale: 4096, grows to 8192 after 2 clean steps; overflow at 2 kept by hysteresis, 3 backs off to 4096,
@@ -451,14 +453,14 @@ def test_resume_is_bit_identical():
     assert opt.loss_scale == 2.0**14
 
     W1, b1 = bf16_pair()
-    opt1, sched1 = _build(W1, b1)
+    opt1, sched1 = _build(W1, b1, state_dtype)
     first = _run(opt1, sched1, W1, b1, range(5))
     buffer = io.BytesIO()
     torch.save({"model": [W1.detach(), b1.detach()], "opt": opt1.state_dict(), "sched": sched1.state_dict()}, buffer)
     buffer.seek(0)
     ckpt = torch.load(buffer)
     W2, b2 = (t.clone().requires_grad_() for t in ckpt["model"])
-    opt2, sched2 = _build(W2, b2)
+    opt2, sched2 = _build(W2, b2, state_dtype)
     opt2.load_state_dict(ckpt["opt"])
     sched2.load_state_dict(ckpt["sched"])
     second = _run(opt2, sched2, W2, b2, range(5, 10))
@@ -470,6 +472,31 @@ def test_resume_is_bit_identical():
     assert opt2.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
     assert opt2.skipped_steps == opt.skipped_steps == 3
     assert sched2.state_dict() == sched.state_dict()
+    moments = [v for st in opt2.state.values() for k, v in st.items() if k != "step"]
+    assert len(moments) == 4 and {v.dtype for v in moments} == {state_dtype or torch.float32}
+
+
+def test_state_dtype_stores_bf16_moments_and_computes_in_fp32():
+    W, b = bf16_pair()
+    opt, sched = _build(W, b, torch.bfloat16)
+    W_ref, b_ref = bf16_pair()
+    ref = AdamW([W_ref.detach().float().requires_grad_(), b_ref.detach().float().requires_grad_()], lr=3e-2,
+                weight_decay=0.1)
+    for k in range(3):
+        opt.zero_grad()
+        opt.scale_loss(loss_of(W, b, k)).backward()
+        assert opt.step()
+        for p_ref, m in zip(ref.param_groups[0]["params"], opt.master_params()):
+            p_ref.grad = m.grad.clone()
+        ref.step()
+        for st in ref.state.values():  # what state_dtype does: round the moments to bf16 after each step
+            st["exp_avg"] = st["exp_avg"].bfloat16().float()
+            st["exp_avg_sq"] = st["exp_avg_sq"].bfloat16().float()
+    for p_ref, m in zip(ref.param_groups[0]["params"], opt.master_params()):
+        assert torch.equal(p_ref, m)
+    assert all(st["exp_avg"].dtype == torch.bfloat16 and st["step"] == 3 for st in opt.state.values())
+    with pytest.raises(TypeError, match="Invalid state_dtype"):
+        MixedPrecisionOptimizer(SGD([torch.zeros(1, requires_grad=True)], lr=0.1), state_dtype=torch.int8)
 
 
 def test_load_state_dict_checks_before_writing():

@@ -287,6 +287,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             such steps (default ``True``; Megatron skips the check for bfloat16 without a scaler, which
             is ``False`` here). With a loss scaler the check is part of unscaling and always runs, so
             ``False`` is refused there.
+        state_dtype: ``None`` (the inner optimizer's state keeps its own dtype: float32 for masters), or
+            ``torch.bfloat16``/``torch.float16``/``torch.float32``: between steps every floating-point
+            state tensor except ``step`` (Adam's moments, momentum buffers, ...) is *stored* in this
+            dtype; each applied step casts it back to its parameter's dtype, steps, and rounds it down
+            again (as Megatron's precision-aware optimizer stores bf16 moments). This halves the state
+            memory between steps, not the peak during the step, and rounds the state once per step.
+            A ``state_dict`` holds the stored dtype and loads back bit for bit.
 
     Attributes:
         loss_scaler: the scaler (or ``None``).
@@ -308,14 +315,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``loss_scaler`` lacks ``scale``,
-            ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool.
+            ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool;
+            ``state_dtype`` is not ``None`` or a float32/bfloat16/float16 dtype.
         ValueError: the inner optimizer already has state; a float16 parameter without a loss scaler
             (float16 needs scaling); a scale that is not finite and ``> 0``; ``max_grad_norm <= 0``;
             ``check_for_nonfinite=False`` with a loss scaler. Each is raised before anything is changed.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler=None, *, max_grad_norm: float | None = None,
-                 check_for_nonfinite: bool = True):
+                 check_for_nonfinite: bool = True, state_dtype: torch.dtype | None = None):
         # Everything is checked before the inner optimizer's groups are touched.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Invalid optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -333,6 +341,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         check_bool("check_for_nonfinite", check_for_nonfinite)
+        if state_dtype is not None and state_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"Invalid state_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                            f"got {state_dtype!r}")
         if loss_scaler is not None and not check_for_nonfinite:
             raise ValueError("Invalid check_for_nonfinite: False is only allowed without a loss scaler (unscaling "
                              "always checks, and the scaler's update needs the result)")
@@ -342,6 +353,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.loss_scaler = loss_scaler
         self.max_grad_norm = max_grad_norm
         self.check_for_nonfinite = check_for_nonfinite
+        self.state_dtype = state_dtype
         self.found_inf = False
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
@@ -501,6 +513,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
         return any(bool(f.item()) for f in found.values())
 
+    def _cast_state(self, dtype: torch.dtype | None) -> None:
+        """Cast every floating-point state tensor except ``step`` to ``dtype`` (``None``: its parameter's dtype)."""
+        for p, state in self.optimizer.state.items():
+            target = p.dtype if dtype is None else dtype
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() \
+                        and value.dtype != target:
+                    state[key] = value.to(target)
+
     def _copy_main_params_to_model_params(self) -> None:
         for p, master in self._pairs:
             p.copy_(master)  # one rounding to the model's dtype
@@ -549,7 +570,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             from optbook.clipping import clip_grad_norm_  # written with chapter 12; needed only when clipping
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+        if self.state_dtype is not None:
+            self._cast_state(None)  # compute in the parameters' dtype
         self.optimizer.step()
+        if self.state_dtype is not None:
+            self._cast_state(self.state_dtype)  # store in state_dtype
         self._copy_main_params_to_model_params()
         return True
 
@@ -599,6 +624,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:  # a scaler state that does not load fails here, before any write
             copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["loss_scaler"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.state_dtype is not None:  # torch.optim casts loaded state to the parameter's dtype
+            self._cast_state(self.state_dtype)
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
