@@ -1,24 +1,25 @@
 """optbook: the package behind *Optimizers, Derived*.
 
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
-:mod:`optbook.clipping`, :mod:`optbook.distributed`,
+:mod:`optbook.clipping`, :mod:`optbook.distributed`, :mod:`optbook.precision`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
 :mod:`optbook.runtime`, :mod:`optbook.testing`.
 
-Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`) is imported
-eagerly. The other submodules are imported on first attribute access (``optbook.plotting``, ``optbook.data``, ...;
-PEP 562 module ``__getattr__``), so ``import optbook.optim`` needs torch only: no matplotlib, no scikit-learn.
+Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
+:mod:`optbook.precision`) is imported eagerly. The other submodules are imported on first attribute access
+(``optbook.plotting``, ``optbook.data``, ...; PEP 562 module ``__getattr__``), so ``import optbook.optim`` needs
+torch only: no matplotlib, no scikit-learn.
 """
 
 import importlib
 
-from . import optim
+from . import optim, precision
 from .newton_schulz import newton_schulz, ns_schedule, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
 __all__ = ["clipping", "data", "diagnostics", "distributed", "models", "newton_schulz", "ns_schedule",
-           "optim", "plotting", "polar_factor", "qk_clip_", "runtime", "schedules", "testing", "training"]
+           "optim", "plotting", "polar_factor", "precision", "qk_clip_", "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
 _LAZY_SUBMODULES = ("clipping", "data", "diagnostics", "distributed", "models", "plotting", "runtime",

@@ -1,0 +1,640 @@
+"""Mixed precision: fp32 master weights, loss scaling and skipped steps. Explained in chapter 11.
+
+Sources: Micikevicius et al. (2018), "Mixed Precision Training", arXiv:1710.03740 (Sec. 3.1 master
+weights, Sec. 3.2 loss scaling); Megatron-LM, ``megatron/core/optimizer/grad_scaler.py``
+(``ConstantGradScaler``, ``DynamicGradScaler``) and ``megatron/core/optimizer/optimizer.py``
+(``MixedPrecisionOptimizer``, ``Float16OptimizerWithFloat16Params``). The code here is our own; it
+keeps Megatron's order of operations and its scaler's counter semantics.
+
+The model keeps its float16/bfloat16 parameters (they are what the forward and backward passes use).
+The optimizer updates float32 *master* copies of them and rounds the result into the model once per
+step. One iteration::
+
+    loss = model(batch)                              (low precision forward)
+    opt.scale_loss(loss).backward()                  (grads of loss * S, S = the loss scale)
+    applied = opt.step()                             (see MixedPrecisionOptimizer.step)
+    if applied: scheduler.step()
+    opt.zero_grad()
+
+Why the two halves exist (chapter 11):
+
+* **Master weights.** A bfloat16 number has 8 significant bits: next to ``1.0`` the spacing is
+  ``2**-7`` above and ``2**-8`` below, so any update smaller than half of that (``lr * 1e-3``, or a
+  decay factor ``1 - lr * wd = 1 - 1e-4``) rounds back to the old weight and training stalls. The
+  float32 master accumulates those small updates; the model sees them once they add up to a bfloat16
+  step.
+* **Loss scaling.** A float16 gradient below ``2**-24`` (about ``6e-8``) flushes to zero. Multiplying
+  the loss by ``S`` multiplies every gradient by ``S`` (the chain rule is linear), which lifts them
+  into float16's range; the optimizer divides by ``S`` in float32 before using them. Too large an
+  ``S`` overflows to ``inf``: that step is skipped and a dynamic scaler lowers ``S``. bfloat16 has
+  float32's exponent range and usually needs no scaling.
+
+``import optbook.precision`` needs torch only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+
+import torch
+
+from .optim._validation import check_bool, check_grad, check_number
+from .optim.optimizer import BookOptimizer, all_finite
+
+__all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer"]
+
+#: Model parameter dtypes that get a float32 master copy.
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
+    return value
+
+
+def _check_scale(name: str, value) -> float:
+    """A loss scale: a finite real number > 0, returned as a Python float."""
+    return check_number(name, value, low=0.0, low_open=True)
+
+
+class ConstantLossScaler:
+    """A loss scale that never changes (Megatron-LM's ``ConstantGradScaler``).
+
+    Args:
+        scale: the loss scale ``S``, a finite number ``> 0`` (e.g. ``2.0**16`` for float16; ``1.0``
+            only detects overflows). Kept as a Python ``float``.
+
+    A step whose gradients overflow is still skipped by :class:`MixedPrecisionOptimizer`; the scale
+    stays. :meth:`state_dict` is empty, as Megatron's: the scale is configuration, not state.
+
+    Raises:
+        TypeError: ``scale`` is not a real number.
+        ValueError: ``scale`` is not finite or not ``> 0`` (the message names ``scale``).
+    """
+
+    def __init__(self, scale: float):
+        self._scale = _check_scale("scale", scale)
+
+    @property
+    def scale(self) -> float:
+        """The loss scale ``S`` (a Python float)."""
+        return self._scale
+
+    def update(self, found_inf: bool) -> None:
+        """Nothing to do: the scale is constant (``found_inf`` is still checked to be a bool)."""
+        check_bool("found_inf", found_inf)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
+
+    def __repr__(self) -> str:
+        return f"ConstantLossScaler(scale={self._scale!r})"
+
+
+class DynamicLossScaler:
+    """A loss scale that backs off on overflows and grows after clean stretches (Megatron-LM's
+    ``DynamicGradScaler`` in ``megatron/core/optimizer/grad_scaler.py``, same counters, same order).
+
+    Args:
+        initial_scale: the starting scale ``S``, finite and ``> 0``.
+        growth_factor: ``S *= growth_factor`` after ``growth_interval`` clean steps in a row; ``> 1``.
+        backoff_factor: ``S *= backoff_factor`` on an overflow once hysteresis is used up; in ``(0, 1)``.
+        growth_interval: consecutive clean steps before growing, an int ``>= 1``.
+        hysteresis: overflows tolerated (since the last growth) before the first back-off, an int ``>= 1``.
+        min_scale: floor of ``S`` when backing off, finite, ``> 0`` and ``<= initial_scale``.
+
+    Counters (both plain ``int``):
+
+    * the *growth tracker* counts clean steps since the last overflow or the last growth;
+    * the *hysteresis tracker* starts at ``hysteresis`` and is decremented by **every** overflow.
+
+    ``update(found_inf)`` does exactly this (Megatron's ``DynamicGradScaler.update``)::
+
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_tracker -= 1
+            if hysteresis_tracker <= 0:
+                S = max(S * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+                S = S * growth_factor
+
+    Which overflows count toward hysteresis: all overflows since the start or since the last growth,
+    **whether or not clean steps separate them**. A clean step resets only the growth tracker; the
+    hysteresis tracker is reset to ``hysteresis`` only when the scale grows. (Megatron's docstring says
+    "if `hysteresis` number of NaNs are seen in a row"; its code, followed here, does not require them
+    to be in a row.) With ``hysteresis=2``: the first overflow after a growth (or the start) keeps
+    ``S``; the second, and every further one until the next growth, multiplies ``S`` by
+    ``backoff_factor`` (the tracker goes on decreasing below zero, so each of them backs off).
+    ``hysteresis=1`` backs off on every overflow (PyTorch's ``GradScaler``).
+
+    At ``min_scale`` the scale stays at ``min_scale``: further overflows do not lower it, and each of
+    them is still detected and its step skipped by :class:`MixedPrecisionOptimizer`. A run that
+    overflows at ``min_scale`` on every step makes no progress (watch ``skipped_steps``); nothing is
+    raised. Growth has no ceiling, except that a growth which would make ``S`` infinite is not applied
+    (``S`` stays the largest finite value reached; Megatron's float32 scale would become ``inf``).
+
+    The arithmetic is in Python floats (float64); Megatron computes in float32 tensors. The two agree
+    bitwise when the factors and scales are powers of two (the defaults).
+
+    :meth:`state_dict` holds ``scale``, ``growth_tracker`` and ``hysteresis_tracker``, so a resumed
+    run backs off and grows at the same iterations as an uninterrupted one. The constructor arguments
+    are configuration and are not saved (as in Megatron).
+
+    Raises:
+        TypeError: an argument of the wrong type (``growth_interval``/``hysteresis`` not an int, a
+            factor not a real number).
+        ValueError: an argument out of range, named in the message.
+    """
+
+    def __init__(self, initial_scale: float = 2.0**32, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1.0):
+        initial_scale = _check_scale("initial_scale", initial_scale)
+        growth_factor = check_number("growth_factor", growth_factor, low=1.0, low_open=True)
+        backoff_factor = check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True,
+                                      high_open=True)
+        growth_interval = _check_int("growth_interval", growth_interval, 1)
+        hysteresis = _check_int("hysteresis", hysteresis, 1)
+        min_scale = _check_scale("min_scale", min_scale)
+        if min_scale > initial_scale:
+            raise ValueError(f"Invalid min_scale: expected min_scale <= initial_scale = {initial_scale}, "
+                             f"got {min_scale}")
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self._scale = initial_scale
+        self._growth_tracker = 0
+        self._hysteresis_tracker = hysteresis
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale ``S`` (a Python float)."""
+        return self._scale
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last overflow or growth."""
+        return self._growth_tracker
+
+    @property
+    def hysteresis_tracker(self) -> int:
+        """``hysteresis`` minus the overflows since the last growth (may be negative)."""
+        return self._hysteresis_tracker
+
+    def update(self, found_inf: bool) -> None:
+        """Advance the counters after one iteration's overflow check (see the class docstring).
+
+        Args:
+            found_inf: whether this iteration's gradients held an ``inf`` or ``NaN``.
+
+        Raises:
+            TypeError: ``found_inf`` is not a ``bool`` (a tensor would hide a device synchronisation).
+        """
+        check_bool("found_inf", found_inf)
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.hysteresis
+                grown = self._scale * self.growth_factor
+                if math.isfinite(grown):
+                    self._scale = grown
+
+    def state_dict(self) -> dict:
+        """``{"scale": float, "growth_tracker": int, "hysteresis_tracker": int}``."""
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
+                "hysteresis_tracker": self._hysteresis_tracker}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the three counters saved by :meth:`state_dict`; all are checked before any is set.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict, or a counter is not an int.
+            ValueError: a key is missing, the scale is not finite and ``> 0``, or the growth tracker is
+                negative.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
+        missing = [k for k in ("scale", "growth_tracker", "hysteresis_tracker") if k not in state_dict]
+        if missing:
+            raise ValueError(f"Invalid state_dict: expected keys scale, growth_tracker, hysteresis_tracker; "
+                             f"missing {', '.join(missing)}")
+        scale = state_dict["scale"]
+        scale = _check_scale("state_dict['scale']", float(scale) if isinstance(scale, torch.Tensor) else scale)
+        growth = _check_int("state_dict['growth_tracker']", state_dict["growth_tracker"], 0)
+        hyst = state_dict["hysteresis_tracker"]
+        if isinstance(hyst, bool) or not isinstance(hyst, int):
+            raise TypeError(f"Invalid state_dict['hysteresis_tracker']: expected an int, got {hyst!r}")
+        self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hyst
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self._scale!r}, growth_factor={self.growth_factor!r}, "
+                f"backoff_factor={self.backoff_factor!r}, growth_interval={self.growth_interval}, "
+                f"hysteresis={self.hysteresis}, min_scale={self.min_scale!r}, "
+                f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker})")
+
+
+def _scaler_scale(loss_scaler) -> float:
+    """The scaler's current scale, checked finite and ``> 0`` (raises ValueError naming ``loss_scaler``)."""
+    scale = loss_scaler.scale
+    if isinstance(scale, torch.Tensor):
+        scale = float(scale) if scale.numel() == 1 else scale
+    try:
+        return _check_scale("loss_scaler.scale", scale)
+    except TypeError as e:
+        raise TypeError(f"{e}; a loss scaler's scale must be a Python float") from None
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Step a float16/bfloat16 model with an optimizer that updates float32 master weights.
+
+    Megatron-LM's ``Float16OptimizerWithFloat16Params`` (``megatron/core/optimizer/optimizer.py``),
+    after Micikevicius et al. (2018), without the distributed parts.
+
+    Args:
+        optimizer: an already-built ``torch.optim.Optimizer`` (optbook's or PyTorch's) constructed on
+            the model's parameters, with no state yet. For every float16/bfloat16 parameter of its
+            groups that requires grad, a float32 master copy (same shape, a new leaf tensor) replaces
+            it in the inner optimizer's ``param_groups`` (the model keeps its own tensor); float32 and
+            float64 parameters are used as they are. The inner optimizer then owns and updates only
+            float32 tensors, and its state (Adam's moments, ...) is float32.
+        loss_scaler: ``None`` (scale 1; allowed without float16 parameters), a
+            :class:`ConstantLossScaler`, a :class:`DynamicLossScaler`, or any object with ``scale`` (a
+            finite float ``> 0``), ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
+        max_grad_norm: if set (``> 0``), clip the unscaled float32 gradients of all parameters by
+            their global L2 norm before the inner step (``optbook.clipping.clip_grad_norm_``, imported
+            on first use); the norm is kept in :attr:`last_grad_norm`.
+        check_for_nonfinite: without a loss scaler, still look for ``inf``/``NaN`` gradients and skip
+            such steps (default ``True``; Megatron skips the check for bfloat16 without a scaler, which
+            is ``False`` here). With a loss scaler the check is part of unscaling and always runs, so
+            ``False`` is refused there.
+        state_dtype: ``None`` (the inner optimizer's state keeps its own dtype: float32 for masters), or
+            ``torch.bfloat16``/``torch.float16``/``torch.float32``: between steps every floating-point
+            state tensor except ``step`` (Adam's moments, momentum buffers, ...) is *stored* in this
+            dtype; each applied step casts it back to its parameter's dtype, steps, and rounds it down
+            again (as Megatron's precision-aware optimizer stores bf16 moments). This halves the state
+            memory between steps, not the peak during the step, and rounds the state once per step.
+            A ``state_dict`` holds the stored dtype and loads back bit for bit.
+
+    Attributes:
+        loss_scaler: the scaler (or ``None``).
+        found_inf: whether the last :meth:`step` found a non-finite gradient (``False`` before any).
+        skipped_steps: how many steps were skipped for non-finite gradients (an int; saved).
+        last_grad_norm: the float64 0-dim total norm of the last applied, clipped step, else ``None``.
+        param_groups, state, defaults: the inner optimizer's (the same objects). The groups hold the
+            float32 masters, so a ``torch.optim.lr_scheduler`` built on this wrapper sets the lr the
+            inner optimizer uses, and ``state`` is keyed by the masters.
+
+    Invariant: after every applied step (and after :meth:`load_state_dict`) each low-precision model
+    parameter equals its master rounded to the model's dtype. Writing to a model parameter directly
+    (``model.load_state_dict``, an in-place clip of the weights) does not reach the master: call
+    :meth:`reload_model_params` afterwards, or the next step overwrites the edit.
+
+    Gradients: :meth:`step` reads the model's ``.grad`` (of the *scaled* loss, the model's dtype) and
+    leaves it as it is for float16/bfloat16 parameters; a float32 parameter's ``.grad`` is its own
+    main gradient and is unscaled in place. :meth:`zero_grad` clears model and master gradients.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``loss_scaler`` lacks ``scale``,
+            ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool;
+            ``state_dtype`` is not ``None`` or a float32/bfloat16/float16 dtype.
+        ValueError: the inner optimizer already has state; a float16 parameter without a loss scaler
+            (float16 needs scaling); a scale that is not finite and ``> 0``; ``max_grad_norm <= 0``;
+            ``check_for_nonfinite=False`` with a loss scaler. Each is raised before anything is changed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler=None, *, max_grad_norm: float | None = None,
+                 check_for_nonfinite: bool = True, state_dtype: torch.dtype | None = None):
+        # Everything is checked before the inner optimizer's groups are touched.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Invalid optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError("Invalid optimizer: it is already a MixedPrecisionOptimizer; wrap the inner one once")
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
+                             "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
+        if loss_scaler is not None:
+            lacking = [a for a in ("scale", "update", "state_dict", "load_state_dict") if not hasattr(loss_scaler, a)]
+            if lacking:
+                raise TypeError(f"Invalid loss_scaler: expected None or a loss scaler (scale, update, state_dict, "
+                                f"load_state_dict), got a {type(loss_scaler).__name__} without {', '.join(lacking)}")
+            _scaler_scale(loss_scaler)
+        if max_grad_norm is not None:
+            max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        check_bool("check_for_nonfinite", check_for_nonfinite)
+        if state_dtype is not None and state_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"Invalid state_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                            f"got {state_dtype!r}")
+        if loss_scaler is not None and not check_for_nonfinite:
+            raise ValueError("Invalid check_for_nonfinite: False is only allowed without a loss scaler (unscaling "
+                             "always checks, and the scaler's update needs the result)")
+        self._check_params(optimizer.param_groups, loss_scaler, "optimizer")
+
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.max_grad_norm = max_grad_norm
+        self.check_for_nonfinite = check_for_nonfinite
+        self.state_dtype = state_dtype
+        self.found_inf = False
+        self.skipped_steps = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        #: (model parameter, float32 master) for every float16/bfloat16 parameter, in group order.
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Every model parameter the wrapper steps (low precision or not), for zero_grad.
+        self._model_params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            group["params"] = self._with_masters(group["params"])
+        # torch.optim.Optimizer.__init__ is not called: the inner optimizer owns groups and state.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+
+    @staticmethod
+    def _check_params(param_groups, loss_scaler, where: str) -> None:
+        for gi, group in enumerate(param_groups):
+            for pi, p in enumerate(group["params"]):
+                if loss_scaler is None and p.dtype == torch.float16 and p.requires_grad:
+                    raise ValueError(
+                        f"Invalid loss_scaler: {where} param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
+                        "is float16, and float16 gradients need loss scaling (small ones flush to zero); pass "
+                        "loss_scaler=DynamicLossScaler() or ConstantLossScaler(...)")
+
+    def _with_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` with each low-precision parameter replaced by a new float32 master (recorded in pairs)."""
+        out = []
+        for p in params:
+            self._model_params.append(p)
+            if p.dtype in _LOW_PRECISION and p.requires_grad:
+                master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
+                self._pairs.append((p, master))
+                out.append(master)
+            else:
+                out.append(p)
+        return out
+
+    # --- the inner optimizer's view -------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale ``S`` (``1.0`` without a scaler)."""
+        return 1.0 if self.loss_scaler is None else _scaler_scale(self.loss_scaler)
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The float32 masters, one per float16/bfloat16 model parameter, in group order."""
+        return [master for _, master in self._pairs]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of *model* parameters: low-precision ones get masters, then the inner optimizer adds it.
+
+        Raises:
+            ValueError: a float16 parameter without a loss scaler; whatever the inner
+                ``add_param_group`` raises (then nothing has been recorded here).
+        """
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._check_params([{"params": params}], self.loss_scaler, "the new group's")
+        n_pairs, n_params = len(self._pairs), len(self._model_params)
+        try:
+            self.optimizer.add_param_group({**param_group, "params": self._with_masters(params)})
+        except Exception:
+            del self._pairs[n_pairs:], self._model_params[n_params:]
+            raise
+
+    def reload_model_params(self) -> None:
+        """Copy every low-precision model parameter into its master (after editing the model's weights)."""
+        with torch.no_grad():
+            for p, master in self._pairs:
+                master.copy_(p)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` for ``backward()`` (``S = 1`` without a scaler).
+
+        A float16/bfloat16 ``loss`` is cast to float32 first (a float16 loss of 1 times ``2**16``
+        overflows by itself). Compute the loss in float32 where possible: the gradient flowing back
+        into the first float16 tensor is ``S`` times its true value and overflows when that exceeds
+        65504 -- which is the overflow the scaler is there to detect.
+
+        Args:
+            loss: a floating-point tensor (usually 0-dim).
+
+        Raises:
+            TypeError: ``loss`` is not a floating-point tensor.
+        """
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
+        if loss.dtype in _LOW_PRECISION:
+            loss = loss.float()
+        return loss * self.loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every model parameter and every master."""
+        for p in self._model_params + self.master_params():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:  # as torch.optim.Optimizer.zero_grad
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def _validate(self) -> float:
+        """Check the scale, an optbook inner optimizer's hyperparameters and every low-precision gradient
+        before anything is written; return the scale."""
+        scale = self.loss_scale
+        if isinstance(self.optimizer, BookOptimizer):  # its hyperparameters (a scheduler may have set them)
+            for group in self.optimizer.param_groups:
+                self.optimizer._check_hyperparameters(group)
+        for i, (p, _) in enumerate(self._pairs):
+            if p.grad is not None:
+                check_grad(p, f"model parameter {i} (float16/bfloat16)")
+        return scale
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None  # no stale gradient from an earlier step
+            elif master.grad is None:
+                master.grad = p.grad.detach().to(torch.float32)
+            else:
+                master.grad.copy_(p.grad)
+
+    def _unscale_and_check(self, scale: float) -> bool:
+        """Divide every main gradient by ``scale`` and report a non-finite one; one synchronisation per device.
+
+        With a loss scaler: ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype)
+        list (as Megatron and ``torch.amp.GradScaler``), one found-inf flag per device. Without one:
+        no division; the check (if enabled) is :func:`optbook.optim.optimizer.all_finite`.
+        """
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and p.numel()]
+        if self.loss_scaler is None:
+            return self.check_for_nonfinite and bool(grads) and not all_finite(grads)
+        by_key: dict = {}
+        for g in grads:
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+        found: dict = {}
+        inv: dict = {}
+        for (device, _), gs in by_key.items():
+            if device not in found:
+                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
+        return any(bool(f.item()) for f in found.values())
+
+    def _cast_state(self, dtype: torch.dtype | None) -> None:
+        """Cast every floating-point state tensor except ``step`` to ``dtype`` (``None``: its parameter's dtype)."""
+        for p, state in self.optimizer.state.items():
+            target = p.dtype if dtype is None else dtype
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() \
+                        and value.dtype != target:
+                    state[key] = value.to(target)
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for p, master in self._pairs:
+            p.copy_(master)  # one rounding to the model's dtype
+
+    @torch.optim.Optimizer.profile_hook_step  # runs hooks from register_step_pre_hook / post_hook
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """One mixed-precision step, in Megatron's order (``MixedPrecisionOptimizer.step``).
+
+        1. copy each float16/bfloat16 model gradient into its master's ``.grad`` (float32);
+        2. divide every main gradient by ``S`` and look for ``inf``/``NaN`` in the same pass;
+        3. ``loss_scaler.update(found_inf)`` (every iteration, skipped or not);
+        4. if ``found_inf``: skip -- no clipping, no inner step; model parameters, masters and the
+           inner optimizer's state (step counts included) are bitwise unchanged; ``skipped_steps += 1``;
+        5. otherwise clip by the global norm (if ``max_grad_norm``), step the inner optimizer on the
+           masters, and round each master into its model parameter.
+
+        Args:
+            closure: optional callable that recomputes the loss and calls ``backward`` on
+                :meth:`scale_loss` of it; it runs with gradients enabled. Its return value is not used.
+
+        Returns:
+            ``True`` when the update was applied, ``False`` when the step was skipped (Megatron's
+            ``update_successful``). Advance a learning-rate scheduler only on ``True``, so a skipped
+            iteration does not consume a step of the schedule.
+
+        Raises:
+            ValueError, TypeError: the loss scale is not finite and ``> 0``, a hyperparameter of an
+                optbook inner optimizer is invalid, or a model gradient has another shape, dtype or device
+                (nothing changed). Another inner optimizer's errors surface from its own ``step``, after
+                the scaler's update.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        scale = self._validate()
+        self._copy_model_grads_to_main_grads()
+        found_inf = self._unscale_and_check(scale)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self.found_inf = found_inf
+        if found_inf:
+            self.skipped_steps += 1
+            return False
+        if self.max_grad_norm is not None:
+            from optbook.clipping import clip_grad_norm_  # written with chapter 12; needed only when clipping
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+        if self.state_dtype is not None:
+            self._cast_state(None)  # compute in the parameters' dtype
+        self.optimizer.step()
+        if self.state_dtype is not None:
+            self._cast_state(self.state_dtype)  # store in state_dtype
+        self._copy_main_params_to_model_params()
+        return True
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict, the masters, the scaler's state and ``skipped_steps``.
+
+        Returns:
+            ``{"optimizer": inner.state_dict(), "master_params": [float32 tensors, group order],
+            "loss_scaler": scaler.state_dict() or None, "skipped_steps": int}``. As with
+            ``torch.optim``, tensors are the live ones: ``torch.save`` the dict (or deep-copy it)
+            before stepping on.
+        """
+        return {"optimizer": self.optimizer.state_dict(),
+                "master_params": [master.detach() for master in self.master_params()],
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` of a wrapper over the same parameters.
+
+        Copies the masters (then rounds them into the model parameters), loads the inner optimizer and
+        the scaler, and restores ``skipped_steps``. A resumed run then continues bit-identically.
+
+        Raises:
+            ValueError: a key is missing, the master count or a shape differs, a scaler state is present
+                without a scaler or missing with one, or the scaler refuses its state; what the inner
+                ``load_state_dict`` raises. All of these are found before anything is loaded.
+        """
+        missing = [k for k in ("optimizer", "master_params", "loss_scaler", "skipped_steps") if k not in state_dict]
+        if missing:
+            raise ValueError(f"Invalid state_dict: missing {', '.join(missing)} (expected a "
+                             "MixedPrecisionOptimizer state dict)")
+        masters = state_dict["master_params"]
+        if len(masters) != len(self._pairs):
+            raise ValueError(f"Invalid state_dict: it holds {len(masters)} master parameters, this optimizer has "
+                             f"{len(self._pairs)}")
+        for i, (saved, (_, master)) in enumerate(zip(masters, self._pairs)):
+            if not isinstance(saved, torch.Tensor) or saved.shape != master.shape:
+                raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
+                                 f"{tuple(getattr(saved, 'shape', ()))}, expected {tuple(master.shape)}")
+        if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
+            raise ValueError("Invalid state_dict: " + ("it holds no loss scaler state, but this optimizer has a "
+                             "loss scaler" if self.loss_scaler is not None else
+                             "it holds a loss scaler state, but this optimizer has no loss scaler"))
+        skipped = _check_int("state_dict['skipped_steps']", state_dict["skipped_steps"], 0)
+        if self.loss_scaler is not None:  # a scaler state that does not load fails here, before any write
+            copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["loss_scaler"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.state_dtype is not None:  # torch.optim casts loaded state to the parameter's dtype
+            self._cast_state(self.state_dtype)
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        with torch.no_grad():
+            for saved, (p, master) in zip(masters, self._pairs):
+                master.copy_(saved)
+                p.copy_(master)
+        self.skipped_steps = skipped
+
+    def __repr__(self) -> str:
+        inner = repr(self.optimizer).replace("\n", "\n  ")
+        return (f"MixedPrecisionOptimizer(\n  {inner},\n  loss_scaler={self.loss_scaler!r}, "
+                f"max_grad_norm={self.max_grad_norm!r}, masters={len(self._pairs)}\n)")
