@@ -84,7 +84,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         optimizers: the members, in step order.
         last_grad_norm: the global gradient norm of the last ``step()`` (a 0-dim tensor), or ``None``.
         found_inf: whether the last ``step()`` was skipped for a non-finite gradient.
-        skipped_steps: how many steps were skipped that way.
+        skipped_steps: how many steps were skipped that way (counted per process, not saved in the
+            state dict; :class:`optbook.precision.MixedPrecisionOptimizer` saves its own counter).
 
     Raises:
         TypeError: an element is not a ``torch.optim.Optimizer``.
