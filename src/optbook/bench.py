@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     :func:`run_benchmark`). Defaults: CUDA when present (shapes up to 4096 x 16384), else CPU with
     small shapes (seconds on 2 cores). ``--help`` lists the options.
     """
-    parser = argparse.ArgumentParser(prog="python -m optbook.bench", description=main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m optbook.bench", description=main.__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--shapes", type=_parse_shapes, default=None,
                         help=f"MxN,... (default CPU {_CPU_SHAPES}; GPU {_GPU_SHAPES})")
@@ -304,7 +304,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ns_schedule(args.coefficients, args.steps)
     except ValueError as err:
         parser.error(str(err))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as err:
+        parser.error(f"Invalid --device: {err}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("Invalid --device: CUDA is not available on this machine (use --device cpu)")
     shapes = args.shapes or _parse_shapes(_GPU_SHAPES if device.type == "cuda" else _CPU_SHAPES)
 
     def progress(row):
