@@ -106,7 +106,8 @@ def test_cli_smoke_run_writes_its_json_report(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, word", [
-    (["--shapes", "16by32"], "--shapes"), (["--dtypes", "float8"], "--dtypes"), (["--device", "tpu9"], "--device"),
+    (["--shapes", "16by32"], "--shapes"), (["--dtypes", "float8"], "--dtypes"),
+    (["--device", "tpu9"], "--device"),
     (["--batch", "0"], "--batch"), (["--coefficients", "sextic"], "coefficients"),
 ])
 def test_cli_refuses_bad_options_naming_the_option(argv, word, capsys):

@@ -284,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     :func:`run_benchmark`). Defaults: CUDA when present (shapes up to 4096 x 16384), else CPU with
     small shapes (seconds on 2 cores). ``--help`` lists the options.
     """
-    parser = argparse.ArgumentParser(prog="python -m optbook.bench", description=main.__doc__.splitlines()[0].replace("``", ""))
+    parser = argparse.ArgumentParser(prog="python -m optbook.bench",
+                                     description=main.__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--shapes", type=_parse_shapes, default=None,
                         help=f"MxN,... (default CPU {_CPU_SHAPES}; GPU {_GPU_SHAPES})")
