@@ -9,7 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from optbook import newton_schulz
-from optbook.bench import main, ns_flops, ns_overhead, transformer_muon_shapes
+from optbook.bench import (main, ns_flops, ns_overhead, orthogonality_error, run_benchmark,
+                           transformer_muon_shapes)
 
 
 def test_one_step_costs_two_gram_sized_products_and_one_cube():
@@ -64,6 +65,9 @@ def test_overhead_is_about_four_times_dp_width_over_batch_tokens():
     (lambda: ns_overhead(0, 2, 10), "width"), (lambda: ns_overhead(8, 2.0, 10), "depth"),
     (lambda: ns_overhead(8, 2, 0), "batch_tokens"), (lambda: ns_overhead(8, 2, 10, dp=0), "dp"),
     (lambda: ns_overhead(8, 2, 10, vocab_size=-1), "vocab_size"),
+    (lambda: run_benchmark([(4, 4)], ["float8"]), "dtypes"),
+    (lambda: run_benchmark([(4, 4)], ["float32"], 0), "batch"),
+    (lambda: orthogonality_error(torch.ones(3)), "O"),
 ])
 def test_bad_arguments_raise_naming_the_argument(call, word):
     with pytest.raises(ValueError, match=word):
@@ -82,6 +86,17 @@ def test_batched_call_equals_the_loop_over_its_matrices(shape, dtype):
     loop = torch.stack([newton_schulz(g, coefficients="polar_express", dtype=dtype)
                         for g in G.reshape(-1, *shape[-2:])]).reshape(shape)
     torch.testing.assert_close(batched, loop, rtol=0, atol=8 * torch.finfo(dtype).eps)
+
+
+def test_orthogonality_error_is_the_largest_distance_of_a_squared_singular_value_from_one():
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(4, 4, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(8, 4, generator=g, dtype=torch.float64))[0]
+    O = U @ torch.diag(torch.tensor([1.0, 1.0, 0.9, 1.1], dtype=torch.float64)) @ V.T  # 4 x 8
+    assert orthogonality_error(O) == pytest.approx(0.21, abs=1e-12)  # |1.1^2 - 1| > |0.9^2 - 1| = 0.19
+    assert orthogonality_error(torch.stack([O.T, V @ U.T])) == pytest.approx(0.21, abs=1e-12)  # tall, batched
+    lost = torch.cat([U @ V.T, torch.zeros(1, 8, dtype=torch.float64)])  # a row with no direction: |0 - 1|
+    assert orthogonality_error(lost) == pytest.approx(1.0, abs=1e-12)
 
 
 def test_cli_smoke_run_writes_its_json_report(tmp_path, monkeypatch, capsys):

@@ -13,10 +13,9 @@ transposes a tall input first, so the Gram matrix is ``min(m, n)`` square), cost
 
 so ``4 m^2 n + 2 m^3`` FLOPs per step. A training step costs about ``6 N T`` FLOPs for ``N``
 parameters and ``T`` tokens (Kaplan et al. 2020, *Scaling Laws for Neural Language Models*, sec. 2.1:
-2 N T forward, 4 N T backward; attention's context term left out). Jordan et al. (2024, the Muon
-post) bound the resulting overhead by ``steps * width / T``; :func:`ns_overhead` gives the exact
-ratio of the two counts, ``(25/6) width / T`` = 0.83 of that bound for 5 steps, when one rank does
-each matrix's work.
+2 N T forward, 4 N T backward; attention's context term left out). :func:`ns_overhead` gives the
+ratio of the two counts for a decoder: ``(25/6) width / T`` for 5 steps when one rank does each
+matrix's work, ``dp`` times that when every data-parallel rank does all of it.
 
 ``python -m optbook.bench`` measures the achieved rate of :func:`optbook.newton_schulz` against this
 model; see :func:`main`.
@@ -205,16 +204,30 @@ def _timer(device: torch.device):
 
 
 def orthogonality_error(O: torch.Tensor) -> float:
-    """``||O O^T - I||_2`` of the wide orientation of a matrix ``O`` (max over a batch), in float64.
+    """``||O O^T - I||_2`` (spectral norm) of the wide orientation of ``O``, the max over a batch.
 
-    Equals ``max_i |s_i^2 - 1|`` over the singular values of ``O``: 0 for an exact polar factor of a
-    full-rank input, about 0.54 for five "simple" steps (their band reaches 0.68).
+    Equals ``max_i |s_i^2 - 1|`` over the singular values ``s_i`` of ``O`` (``min(m, n)`` of them):
+    0 for the exact polar factor of a full-rank input, 1 where a direction is lost (``s_i = 0``),
+    about 0.54 after five "simple" steps on inputs whose singular values reach down to 1e-2 (their
+    band starts at 0.68).
+
+    Args:
+        O: ``(..., m, n)`` real floating tensor (any dtype; computed in float64 on its device).
+
+    Returns:
+        A Python float (dimensionless).
+
+    Raises:
+        ValueError: ``O`` has fewer than 2 dimensions.
     """
+    if O.ndim < 2:
+        raise ValueError(f"Invalid O: expected shape (..., m, n), got {tuple(O.shape)}")
     X = O.double()
     if X.shape[-2] > X.shape[-1]:
         X = X.mT
     eye = torch.eye(X.shape[-2], dtype=X.dtype, device=X.device)
-    return float(torch.linalg.matrix_norm(X @ X.mT - eye, ord=2).max())
+    # X X^T - I is symmetric: its spectral norm is its largest |eigenvalue| (eigvalsh, cheaper than an SVD)
+    return float(torch.linalg.eigvalsh(X @ X.mT - eye).abs().max())
 
 
 def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batch: int = 4, steps: int = 5,
@@ -224,8 +237,20 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
 
     Paths: ``"plain"`` calls ``newton_schulz`` once per matrix of a batch of ``batch`` same-shape
     matrices; ``"batched"`` makes one call on the ``(batch, m, n)`` stack (one ``bmm`` per product).
-    ``"matmul"`` is the reference rate of the same run: ``torch.bmm`` of ``(batch, m, n)`` by
-    ``(batch, n, m)`` in the same dtype (the ``m x m x n`` Gram product, ``2 m^2 n`` FLOPs per matrix).
+    ``"matmul"`` is the reference rate of the same run, in the same dtype on the same device: the Gram
+    product ``W W^T`` of the wide orientation ``W`` (``(batch, k, l)``, ``k = min(m, n)``,
+    ``l = max(m, n)``) in one ``torch.bmm``, ``2 k^2 l`` FLOPs per matrix (a ``k x k x l`` matmul).
+
+    Args:
+        shapes: ``(m, n)`` pairs. dtypes: names, keys of ``bfloat16 float16 float32 float64``.
+        batch: same-shape matrices per measurement. steps, coefficients: the schedule.
+        repeat: timed runs per measurement after one warm-up; the median is kept.
+        device: where to run (CUDA timings are synchronised). seed: of the Gaussian inputs.
+        progress: called with each result dict as it is measured (``None``: silent).
+
+    Raises:
+        ValueError: an unknown dtype name, ``batch`` or ``repeat`` below 1, a bad ``steps`` or
+            ``coefficients`` (before anything is timed).
 
     Returns:
         Dicts with ``shape`` ([m, n]), ``batch``, ``dtype``, ``path``, ``seconds`` (median wall time of
@@ -233,6 +258,13 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
         ``matmul_tflops``, ``fraction_of_matmul`` and ``orthogonality_error`` (:func:`orthogonality_error`
         of the batched output; ``None`` for the matmul rows).
     """
+    bad = [name for name in dtypes if name not in _DTYPES]
+    if bad:
+        raise ValueError(f"Invalid dtypes: {bad} not in {sorted(_DTYPES)}")
+    for name, value in (("batch", batch), ("repeat", repeat)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+    ns_schedule(coefficients, steps)
     device = torch.device(device)
     measure = _timer(device)
     rows = []
@@ -245,7 +277,7 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for m, n in shapes:
         G32 = torch.randn(batch, m, n, generator=generator).to(device)
-        k, l = min(m, n), max(m, n)  # the wide orientation newton_schulz works on
+        small, large = min(m, n), max(m, n)  # the wide orientation newton_schulz works on
         for name in dtypes:
             dtype = _DTYPES[name]
             G = G32.to(dtype)
@@ -253,7 +285,7 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
             # W W^T with the transpose as a view, as newton_schulz's X @ X.mT (CPU bf16/fp16 bmm is
             # several times faster with a column-major right operand: the rate newton_schulz gets)
             mm_seconds = measure(lambda: torch.bmm(W, W.mT), repeat)
-            mm_flops = 2 * batch * k * k * l
+            mm_flops = 2 * batch * small * small * large
             mm_tflops = mm_flops / mm_seconds / 1e12
             add(shape=[m, n], batch=batch, dtype=name, path="matmul", seconds=mm_seconds, flops=mm_flops,
                 tflops=mm_tflops, matmul_tflops=mm_tflops, fraction_of_matmul=1.0, orthogonality_error=None)
