@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("set_repository_url", ROOT / "tools" / "set_repository_url.py")
+    path = ROOT / "tools" / "set_repository_url.py"
+    spec = importlib.util.spec_from_file_location("set_repository_url", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
