@@ -36,7 +36,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 book: setup
 	mkdir -p _build
 	sed 's/^\(  execute_notebooks:\).*/\1 "$(EXECUTE)"/' _config.yml > _build/_config.yml
-	$(RUN) PYTHONPATH=$(CURDIR)/_ext $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
+	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
+	  $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
