@@ -70,10 +70,11 @@ def gram_backend(X: torch.Tensor) -> str:
 def _check_blocks(blocks):
     if blocks is None:
         return None
-    ok = (isinstance(blocks, (tuple, list)) and len(blocks) == 2
-          and all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 and b & (b - 1) == 0 for b in blocks))
-    if not ok:
-        raise ValueError(f"Invalid blocks: expected (BLOCK, BLOCK_K), two powers of two >= 16, got {blocks!r}")
+    def power_of_two(b):
+        return isinstance(b, int) and not isinstance(b, bool) and b >= 16 and b & (b - 1) == 0
+    if not (isinstance(blocks, (tuple, list)) and len(blocks) == 2 and all(map(power_of_two, blocks))):
+        raise ValueError(f"Invalid blocks: expected (BLOCK, BLOCK_K), two powers of two >= 16, "
+                         f"got {blocks!r}")
     return tuple(blocks)
 
 
@@ -108,7 +109,8 @@ def _check_out(out, X: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-def _run(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float, c: float, blocks) -> torch.Tensor:
+def _run(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float, c: float,
+         blocks) -> torch.Tensor:
     from . import _triton_gram   # imports triton (on first use only)
 
     batched = X.ndim == 3

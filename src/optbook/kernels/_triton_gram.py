@@ -9,7 +9,7 @@ diagonal tile the first store keeps the elements on and below the diagonal and t
 ones strictly below it, so every output element is written exactly once and ``out[p, q]`` and
 ``out[q, p]`` are the same rounded number: the result is symmetric bit for bit.
 
-The technique is that of modded-nanogpt's ``XXT`` and ``ba_plus_cAA`` (Byron Xu's symmetric matmul
+The technique is that of modded-nanogpt's ``XXT`` and ``ba_plus_cAA`` (@byronxu99's symmetric matmul
 kernels), microsoft/dion's ``ns_line_1`` / ``ns_line_2`` (``dion/newton_schulz_triton.py``) and NVIDIA
 Emerging-Optimizers' ``tsyrk_ex`` (``emerging_optimizers/triton_kernels/syrk.py``); those launch the
 full ``nb x nb`` grid and return early above the diagonal, and store a diagonal tile twice. The code
@@ -33,7 +33,7 @@ def _sym_gram_kernel(X_ptr, A_ptr, Out_ptr, M, K,
                      o_stride_b, o_stride_r, o_stride_c,
                      coef_b, coef_c,
                      BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr,
-                     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                     INTERPRET: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # out = X X^T                      (EPILOGUE False; coef_* unused)
     # out = coef_c X X^T + coef_b A    (EPILOGUE True; A symmetric, only its lower tiles are read)
     pid = tl.program_id(0)
@@ -55,12 +55,14 @@ def _sym_gram_kernel(X_ptr, A_ptr, Out_ptr, M, K,
     row_ok = rows < M
     col_ok = cols < M
 
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    # tl.full and (K + BLOCK_K - 1) // BLOCK_K, not tl.zeros and tl.cdiv: those are @triton.jit helpers,
+    # made interpretable only when TRITON_INTERPRET=1 was set before triton was imported (builtins always are)
+    acc = tl.full((BLOCK, BLOCK), 0.0, dtype=tl.float32)
+    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k_ok = ks < K - k * BLOCK_K
         xr = tl.load(x_rows, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         xc = tl.load(x_cols, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # interpreter: it holds bf16 as uint16 bits and its dot is a numpy matmul of those
+        if INTERPRET:  # the interpreter holds bf16 as uint16 bits and its dot is a numpy matmul of those
             # bits (garbage); products of bf16/fp16 numbers are exact in float32, so upcasting is safe
             xr = xr.to(tl.float32)
             xc = xc.to(tl.float32)
@@ -73,6 +75,12 @@ def _sym_gram_kernel(X_ptr, A_ptr, Out_ptr, M, K,
         A_ptr += batch * a_stride_b
         a = tl.load(A_ptr + rows[:, None] * a_stride_r + cols[None, :] * a_stride_c, mask=tile_ok, other=0.0)
         acc = coef_c * acc + coef_b * a.to(tl.float32)
+    if INTERPRET and Out_ptr.dtype.element_ty == tl.bfloat16:
+        # the interpreter's float32 -> bf16 cast truncates (a GPU rounds to nearest even): round the
+        # float32 bits to nearest even at bf16's 8-bit significand first, so the cast is exact
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        acc = bits.to(tl.float32, bitcast=True)
     tile = acc.to(Out_ptr.dtype.element_ty)
 
     # tile (i, j) itself, on and below the diagonal (every element when i > j) ...
@@ -117,6 +125,6 @@ def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float,
     precision = "ieee" if X.dtype == torch.float32 or interpret or torch.version.hip else "tf32"
     kwargs = {} if interpret else dict(num_warps=8 if BLOCK >= 128 else 4, num_stages=3)
     _kernel(interpret)[grid](X, A_arg, out, M, K, *X.stride(), *a_strides, *out.stride(), float(b), float(c),
-                             BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, UPCAST=interpret,
+                             BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, INTERPRET=interpret,
                              INPUT_PRECISION=precision, **kwargs)
     return out
