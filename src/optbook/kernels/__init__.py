@@ -32,7 +32,8 @@ and ``ba_plus_cAA`` kernels (``jordan2024moddednanogpt``, ``triton_kernels.py``)
 Emerging-Optimizers' ``tsyrk_ex`` (``nvidia2025emergingoptimizers``,
 ``emerging_optimizers/triton_kernels/syrk.py``); Triton itself (``tillet2019triton``). Ours differs
 in launching only the lower-triangular tiles (those launch the full grid and return early) and in
-writing each diagonal tile once, so the output is exactly symmetric. The code is our own.
+writing each output element once, both triangles of a diagonal tile from its lower half, so the output
+is symmetric by construction. The code is our own.
 """
 
 from __future__ import annotations

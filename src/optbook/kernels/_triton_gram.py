@@ -11,9 +11,11 @@ ones strictly below it, so every output element is written exactly once and ``ou
 
 The technique is that of modded-nanogpt's ``XXT`` and ``ba_plus_cAA`` (@byronxu99's symmetric matmul
 kernels), microsoft/dion's ``ns_line_1`` / ``ns_line_2`` (``dion/newton_schulz_triton.py``) and NVIDIA
-Emerging-Optimizers' ``tsyrk_ex`` (``emerging_optimizers/triton_kernels/syrk.py``); those launch the
-full ``nb x nb`` grid and return early above the diagonal, and store a diagonal tile twice. The code
-here is our own.
+Emerging-Optimizers' ``tsyrk_ex`` (``emerging_optimizers/triton_kernels/syrk.py``). Those launch the
+full ``nb x nb`` grid and return early above the diagonal, and store a diagonal tile whole (dion and
+modded-nanogpt twice, as itself and transposed), so its two triangles are symmetric only as far as the
+hardware's tile product is; here both triangles come from the same half of the tile. The code here is
+our own.
 """
 
 from __future__ import annotations
