@@ -6,6 +6,10 @@ here. Small shapes and 16 x 16 tiles (``blocks=(16, 16)``) so that sizes cross t
 interpreter is slow (tenths of a second a call).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -182,3 +186,14 @@ def test_newton_schulz_refuses_an_unknown_gram_or_a_dtype_the_kernel_lacks():
         newton_schulz(G, gram="triangular")
     with pytest.raises(ValueError, match="Invalid gram"):
         newton_schulz(G, dtype=torch.float64, gram="symmetric")
+
+
+def test_importing_the_kernels_module_does_not_import_triton():
+    # triton (hundreds of MB, a compiler) loads on the first kernel launch only; optbook.kernels is lazy too
+    code = ("import sys, optbook, optbook.kernels, torch; "
+            "optbook.newton_schulz(torch.randn(4, 6)); "
+            "assert 'triton' not in sys.modules and optbook.kernels.gram_backend(torch.ones(1, 1)) == 'torch'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
