@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from optbook import newton_schulz  # noqa: E402
+from optbook.bench import run_benchmark  # noqa: E402
 from optbook.kernels import gram_backend, gram_poly, gram_xxt  # noqa: E402
 
 SMALL = (16, 16)
@@ -186,6 +187,17 @@ def test_newton_schulz_refuses_an_unknown_gram_or_a_dtype_the_kernel_lacks():
         newton_schulz(G, gram="triangular")
     with pytest.raises(ValueError, match="Invalid gram"):
         newton_schulz(G, dtype=torch.float64, gram="symmetric")
+
+
+def test_benchmark_times_the_symmetric_gram_step_and_newton_schulz(interpret):
+    rows = run_benchmark([(16, 24)], ["bfloat16", "float64"], batch=1, steps=1, repeat=1, paths=["symmetric"])
+    # the kernel has no float64: only the matmul reference is measured for it
+    assert [(r["dtype"], r["path"]) for r in rows] == [("bfloat16", "matmul"), ("bfloat16", "gram_symmetric"),
+                                                       ("bfloat16", "symmetric"), ("float64", "matmul")]
+    gram = rows[1]
+    assert gram["flops"] == rows[0]["flops"] == 2 * 16 * 16 * 24   # credited the full product
+    assert gram["fraction_of_matmul"] == pytest.approx(rows[0]["seconds"] / gram["seconds"])
+    assert rows[2]["orthogonality_error"] is not None
 
 
 def test_importing_the_kernels_module_does_not_import_triton():
