@@ -200,11 +200,41 @@ def test_benchmark_times_the_symmetric_gram_step_and_newton_schulz(interpret):
     assert rows[2]["orthogonality_error"] is not None
 
 
+@pytest.mark.parametrize("dtype, epilogue", [("bf16", True), ("fp32", False)])
+def test_the_kernel_compiles_for_a_hopper_gpu_without_one(dtype, epilogue, monkeypatch):
+    # the GPU path, which CI cannot run: Triton compiles the same kernel for sm_90 (H100/H200) down to
+    # PTX and a cubin with the ptxas of its wheel, no device needed. Arguments specialised as a launch on
+    # 16-aligned contiguous tensors would be (unit inner strides, divisibility by 16)
+    import triton
+    from optbook.kernels import _triton_gram
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # triton.jit: a compilable kernel, not the interpreter's
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton has no ASTSource/GPUTarget")
+    fn = triton.jit(_triton_gram._sym_gram_kernel)
+    constexprs = dict(x_stride_c=1, a_stride_c=1, o_stride_c=1, BLOCK=128, BLOCK_K=64, EPILOGUE=epilogue,
+                      INTERPRET=False, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    signature = {name: "constexpr" if name in constexprs else f"*{dtype}" if name.endswith("_ptr")
+                 else "fp32" if name.startswith("coef") else "i32" for name in fn.arg_names}
+    aligned = [name for name, kind in signature.items() if kind != "constexpr" and not name.startswith("coef")
+               and not name.endswith("_c")]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=8, num_stages=3, enable_fp_fusion=True))
+    assert kernel.asm["cubin"]
+    if dtype == "bf16":  # tensor cores (fp32 with "ieee" products runs on the fp32 units: no mma)
+        assert "mma" in kernel.asm["ptx"]
+
+
 def test_importing_the_kernels_module_does_not_import_triton():
     # triton (hundreds of MB, a compiler) loads on the first kernel launch only; optbook.kernels is lazy too
     code = ("import sys, optbook, optbook.kernels, torch; "
             "optbook.newton_schulz(torch.randn(4, 6)); "
-            "assert 'triton' not in sys.modules and optbook.kernels.gram_backend(torch.ones(1, 1)) == 'torch'")
+            "assert 'triton' not in sys.modules; "
+            "assert optbook.kernels.gram_backend(torch.ones(1, 1)) == 'torch'")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

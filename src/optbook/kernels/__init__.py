@@ -89,10 +89,11 @@ def _check_input(name: str, X) -> None:
                          f"got shape {tuple(X.shape)}")
     if any(s == 0 for s in X.shape):
         raise ValueError(f"Invalid {name}: expected every size >= 1, got shape {tuple(X.shape)}")
-    # the kernel indexes within one matrix in int32 (the batch offset is int64)
-    span = sum((s - 1) * abs(st) for s, st in zip(X.shape[-2:], X.stride()[-2:]))
+    # the kernel indexes within one matrix, input or (m, m) result, in int32 (the batch offset is int64)
+    span = max(sum((s - 1) * abs(st) for s, st in zip(X.shape[-2:], X.stride()[-2:])), X.shape[-2] ** 2)
     if span >= 2 ** 31:
-        raise ValueError(f"Invalid {name}: one matrix spans {span} elements, the kernel indexes < 2**31")
+        raise ValueError(f"Invalid {name}: one matrix or its (m, m) result spans {span} elements; the "
+                         f"kernel indexes fewer than 2**31")
 
 
 def _check_out(out, X: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -2,12 +2,12 @@
 
 One kernel computes one square tile of the symmetric output per program, and only the tiles on and
 below the diagonal are launched: for ``nb = ceil(m / BLOCK)`` tile rows the grid is
-``nb (nb + 1) / 2`` tiles (not ``nb^2``) times the batch. Each program accumulates its tile in float32
-over the shared dimension, optionally adds the epilogue ``b A`` (the second Newton–Schulz line), rounds
-once to the output dtype and writes the tile twice: at ``(i, j)`` and, transposed, at ``(j, i)``. On a
-diagonal tile the first store keeps the elements on and below the diagonal and the mirrored store the
-ones strictly below it, so every output element is written exactly once and ``out[p, q]`` and
-``out[q, p]`` are the same rounded number: the result is symmetric bit for bit.
+``nb (nb + 1) / 2`` tiles (not ``nb^2``) times the batch, in one axis. Each program accumulates its
+tile in float32 over the shared dimension, optionally adds the epilogue ``b A`` (the second Newton–Schulz
+line), rounds once to the output dtype and writes the tile twice: at ``(i, j)`` and, transposed, at
+``(j, i)``. On a diagonal tile the first store keeps the elements on and below the diagonal and the
+mirrored store the ones strictly below it, so every output element is written exactly once and
+``out[p, q]`` and ``out[q, p]`` are the same rounded number: the result is symmetric bit for bit.
 
 The technique is that of modded-nanogpt's ``XXT`` and ``ba_plus_cAA`` (@byronxu99's symmetric matmul
 kernels), microsoft/dion's ``ns_line_1`` / ``ns_line_2`` (``dion/newton_schulz_triton.py``) and NVIDIA
@@ -38,8 +38,12 @@ def _sym_gram_kernel(X_ptr, A_ptr, Out_ptr, M, K,
                      INTERPRET: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # out = X X^T                      (EPILOGUE False; coef_* unused)
     # out = coef_c X X^T + coef_b A    (EPILOGUE True; A symmetric, only its lower tiles are read)
+    # one program per (matrix, lower tile), matrix-major in one grid axis (2^31 programs; axis 1 has 65535)
+    tiles = (M + BLOCK - 1) // BLOCK
+    tiles = tiles * (tiles + 1) // 2
     pid = tl.program_id(0)
-    batch = tl.program_id(1).to(tl.int64)
+    batch = (pid // tiles).to(tl.int64)
+    pid = pid % tiles
     # tile pid -> (i, j), j <= i, row by row through the lower triangle: pid = i (i + 1) / 2 + j
     i = ((tl.sqrt((8 * pid + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
     i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)   # float rounding of the sqrt, either way
@@ -85,12 +89,16 @@ def _sym_gram_kernel(X_ptr, A_ptr, Out_ptr, M, K,
         acc = bits.to(tl.float32, bitcast=True)
     tile = acc.to(Out_ptr.dtype.element_ty)
 
-    # tile (i, j) itself, on and below the diagonal (every element when i > j) ...
-    lower = tile_ok & (rows[:, None] >= cols[None, :])
-    tl.store(Out_ptr + rows[:, None] * o_stride_r + cols[None, :] * o_stride_c, tile, mask=lower)
-    # ... and its transpose at (j, i), strictly above the diagonal: each element is written once
-    upper = col_ok[:, None] & row_ok[None, :] & (cols[:, None] < rows[None, :])
-    tl.store(Out_ptr + cols[:, None] * o_stride_r + rows[None, :] * o_stride_c, tl.trans(tile), mask=upper)
+    # the tile at (i, j) and its transpose at (j, i); each output element is written once
+    direct = Out_ptr + rows[:, None] * o_stride_r + cols[None, :] * o_stride_c
+    mirror = Out_ptr + cols[:, None] * o_stride_r + rows[None, :] * o_stride_c
+    mirror_ok = col_ok[:, None] & row_ok[None, :]
+    if i == j:  # a diagonal tile: its lower half, then the strictly lower half again, transposed
+        tl.store(direct, tile, mask=tile_ok & (rows[:, None] >= cols[None, :]))
+        tl.store(mirror, tl.trans(tile), mask=mirror_ok & (cols[:, None] < rows[None, :]))
+    else:       # below the diagonal: bounds masks only, so the stores can be vectorised
+        tl.store(direct, tile, mask=tile_ok)
+        tl.store(mirror, tl.trans(tile), mask=mirror_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,14 +126,16 @@ def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float,
     batch, M, K = X.shape
     BLOCK, BLOCK_K = blocks or _default_blocks(M, K, interpret)
     nb = triton.cdiv(M, BLOCK)
-    grid = (nb * (nb + 1) // 2, batch)
+    grid = (batch * (nb * (nb + 1) // 2),)
     epilogue = A is not None
     A_arg = A if epilogue else X
     a_strides = A.stride() if epilogue else (0, 0, 0)
     # float32 inputs: full-precision products (tl.dot's default on NVIDIA is TF32), as X @ X.mT with
-    # torch's default torch.backends.cuda.matmul.allow_tf32 = False; ROCm accepts only "ieee" (as dion notes)
+    # torch's default torch.backends.cuda.matmul.allow_tf32 = False; ROCm accepts only "ieee" (dion notes it)
     precision = "ieee" if X.dtype == torch.float32 or interpret or torch.version.hip else "tf32"
-    kwargs = {} if interpret else dict(num_warps=8 if BLOCK >= 128 else 4, num_stages=3)
+    # enable_fp_fusion: c acc + b A as one fma (also silences Triton 3.9's warning about its default)
+    kwargs = {} if interpret else dict(num_warps=8 if BLOCK >= 128 else 4, num_stages=3,
+                                       enable_fp_fusion=True)
     _kernel(interpret)[grid](X, A_arg, out, M, K, *X.stride(), *a_strides, *out.stride(), float(b), float(c),
                              BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, INTERPRET=interpret,
                              INPUT_PRECISION=precision, **kwargs)
