@@ -207,7 +207,7 @@ def test_the_kernel_compiles_for_a_hopper_gpu_without_one(dtype, epilogue, monke
     # 16-aligned contiguous tensors would be (unit inner strides, divisibility by 16)
     import triton
     from optbook.kernels import _triton_gram
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # triton.jit: a compilable kernel, not the interpreter's
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # so triton.jit gives a compilable kernel
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
