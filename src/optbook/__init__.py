@@ -19,8 +19,8 @@ from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
 __all__ = ["bench", "clipping", "data", "diagnostics", "distributed", "kernels", "models", "newton_schulz",
-           "ns_schedule", "optim", "plotting", "polar_factor", "precision", "qk_clip_", "runtime", "schedules",
-           "testing", "training"]
+           "ns_schedule", "optim", "plotting", "polar_factor", "precision", "qk_clip_", "runtime",
+           "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
 _LAZY_SUBMODULES = ("bench", "clipping", "data", "diagnostics", "distributed", "kernels", "models", "plotting",
