@@ -147,6 +147,7 @@ def test_backend_is_the_interpreter_with_the_variable_and_torch_without(interpre
     (lambda: gram_xxt(torch.randn(3, 4), out=torch.empty(3, 6)[:, ::2]), ValueError, "Invalid out: .*contig"),
     (lambda: gram_xxt(torch.randn(3, 4), blocks=(16, 24)), ValueError, "Invalid blocks"),
     (lambda: gram_xxt(torch.randn(3, 4), blocks=(8, 16)), ValueError, "Invalid blocks"),
+    (lambda: gram_xxt(torch.randn(3, 4, requires_grad=True)), ValueError, "Invalid X: it requires grad"),
     (lambda: gram_poly(torch.randn(3, 4), 1.0, 1.0), ValueError, "Invalid A: expected square"),
     (lambda: gram_poly(torch.randn(3, 3), float("nan"), 1.0), ValueError, "Invalid b"),
     (lambda: gram_poly(torch.randn(3, 3), 1.0, torch.tensor(1.0)), TypeError, "Invalid c"),
@@ -187,6 +188,10 @@ def test_newton_schulz_refuses_an_unknown_gram_or_a_dtype_the_kernel_lacks():
         newton_schulz(G, gram="triangular")
     with pytest.raises(ValueError, match="Invalid gram"):
         newton_schulz(G, dtype=torch.float64, gram="symmetric")
+    with pytest.raises(ValueError, match="Invalid gram: 'symmetric' has no backward"):
+        newton_schulz(G.requires_grad_(), gram="symmetric")
+    with torch.no_grad():   # how an optimizer step calls it
+        assert newton_schulz(G, gram="symmetric").shape == G.shape
 
 
 def test_benchmark_times_the_symmetric_gram_step_and_newton_schulz(interpret):

@@ -132,7 +132,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
             :func:`optbook.kernels.gram_poly`, Triton kernels that compute only the tiles on and below
             the diagonal (chapter 15); on a CPU tensor they run only under ``TRITON_INTERPRET=1`` and
             otherwise fall back to torch's products (see :func:`optbook.kernels.gram_backend`). Needs a
-            float16, bfloat16 or float32 ``dtype``. Same mathematics; the roundings differ.
+            float16, bfloat16 or float32 ``dtype``, and no autograd (the kernels have no backward: call
+            it under ``torch.no_grad()``, as an optimizer step does). Same mathematics; the roundings
+            differ.
 
     Returns:
         A tensor of ``G``'s shape and dtype: ``U phi_k(S) V^T`` where ``phi_k`` composes the
@@ -140,7 +142,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
 
     Raises:
         ValueError: ``G`` has fewer than 2 dimensions, ``eps <= 0``, a bad ``steps``/``coefficients``, an
-            unknown ``gram``, or ``gram="symmetric"`` with a ``dtype`` other than float16/bfloat16/float32.
+            unknown ``gram``, or ``gram="symmetric"`` with a ``dtype`` other than float16/bfloat16/float32
+            or with a ``G`` that requires grad while grad mode is on.
         TypeError: ``G`` is not a real floating-point tensor.
     """
     schedule = ns_schedule(coefficients, steps)
@@ -148,6 +151,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
         raise ValueError(f"Invalid gram: expected 'plain' or 'symmetric', got {gram!r}")
     if gram == "symmetric" and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"Invalid gram: 'symmetric' needs dtype float16, bfloat16 or float32, got {dtype}")
+    if gram == "symmetric" and isinstance(G, torch.Tensor) and G.requires_grad and torch.is_grad_enabled():
+        raise ValueError("Invalid gram: 'symmetric' has no backward and G requires grad; call under "
+                         "torch.no_grad() (as an optimizer step does) or pass G.detach()")
     if not isinstance(G, torch.Tensor) or not G.is_floating_point():
         raise TypeError(f"Invalid G: expected a real floating-point tensor, got "
                         f"{getattr(G, 'dtype', type(G).__name__)}")

@@ -87,6 +87,9 @@ def _check_input(name: str, X) -> None:
     if X.ndim not in (2, 3):
         raise ValueError(f"Invalid {name}: expected a 2-D (m, n) or batched 3-D (batch, m, n) tensor, "
                          f"got shape {tuple(X.shape)}")
+    if X.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"Invalid {name}: it requires grad and the kernels have no backward; call under "
+                         f"torch.no_grad() (as an optimizer step does) or pass {name}.detach()")
     if any(s == 0 for s in X.shape):
         raise ValueError(f"Invalid {name}: expected every size >= 1, got shape {tuple(X.shape)}")
     # the kernel indexes within one matrix, input or (m, m) result, in int32 (the batch offset is int64)
@@ -142,8 +145,8 @@ def gram_xxt(X: torch.Tensor, out: torch.Tensor | None = None, *,
 
     Raises:
         TypeError: ``X`` (or ``out``) not a tensor, or ``X`` of another dtype.
-        ValueError: ``X`` not 2-D/3-D or with a size 0; a bad ``out`` (shape, dtype, device, layout,
-            shares ``X``'s memory) or ``blocks``.
+        ValueError: ``X`` not 2-D/3-D, with a size 0, or requiring grad while grad mode is on (no
+            backward); a bad ``out`` (shape, dtype, device, layout, shares ``X``'s memory) or ``blocks``.
     """
     _check_input("X", X)
     blocks = _check_blocks(blocks)
@@ -175,7 +178,8 @@ def gram_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = No
 
     Raises:
         TypeError: ``A`` not a tensor or of another dtype; ``b`` or ``c`` not a real number.
-        ValueError: ``A`` not square 2-D/3-D; ``b`` or ``c`` not finite; a bad ``out`` or ``blocks``.
+        ValueError: ``A`` not square 2-D/3-D or requiring grad (as for ``X`` in :func:`gram_xxt`);
+            ``b`` or ``c`` not finite; a bad ``out`` or ``blocks``.
     """
     _check_input("A", A)
     if A.shape[-1] != A.shape[-2]:
