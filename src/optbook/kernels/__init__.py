@@ -3,9 +3,9 @@
 Each Newton–Schulz step (:func:`optbook.newton_schulz`) forms ``A = X X^T`` and ``B = b A + c A^2``.
 Both are symmetric, so a kernel needs only the tiles on and below the diagonal: it computes those and
 writes each one a second time, transposed, above the diagonal. That about halves the FLOPs of the two
-products (``m (m + BLOCK) n`` instead of ``2 m^2 n`` for ``X X^T`` with tiles of ``BLOCK`` rows, when
-``BLOCK`` divides ``m``); ``B X``
-is a plain product and stays with ``torch``.
+products: with tiles of ``BLOCK`` rows and ``BLOCK`` dividing ``m``, ``m (m + BLOCK) n`` instead of
+``2 m^2 n`` for ``X X^T`` and ``m (m + BLOCK) m`` instead of ``2 m^3`` for ``A^2``. ``B X`` is a plain
+product and stays with ``torch``.
 
 * :func:`gram_xxt` — ``X X^T``, the first line;
 * :func:`gram_poly` — ``b A + c A A^T`` (``= b A + c A^2`` for a symmetric ``A``), the second line,
@@ -17,14 +17,16 @@ Where each runs (the same on every call; :func:`gram_backend` tells):
 * CUDA tensors: the compiled Triton kernel (``"triton"``).
 * CPU tensors with ``TRITON_INTERPRET=1`` in the environment: the *same* kernel, run by Triton's
   numpy interpreter (``"triton-interpreter"``; slow, for tests: this is how CI checks the kernel without
-  a GPU). Triton reads the variable when it compiles, so it must be set before the first call.
+  a GPU). The variable is read on every call (the kernel is jitted once per mode), so it may be set
+  at any time before a call, whether or not triton was already imported.
 * Otherwise (CPU without the variable, or ``triton`` not installed): torch's ``X @ X.mT`` and
   ``torch.baddbmm`` (``"torch"``). These are the same mathematics but *not* bit-for-bit symmetric.
 
 Precision: products of float16/bfloat16 inputs are accumulated in float32 and rounded once to the
 input dtype, as torch's matmul does; float32 inputs use full float32 products (no TF32), as torch's
 default on CUDA. The order of the float32 sums differs from cuBLAS's, so results agree with ``X @ X.mT``
-to rounding, not bit for bit.
+to rounding, not bit for bit. (Triton's interpreter casts float32 to bfloat16 by truncation; under it
+the kernel rounds to nearest even itself first, so it rounds as a GPU and torch do.)
 
 Sources (see ``book/references.bib``): the symmetric-tile technique of modded-nanogpt's Triton ``XXT``
 and ``ba_plus_cAA`` kernels (``jordan2024moddednanogpt``, ``triton_kernels.py``), microsoft/dion's
