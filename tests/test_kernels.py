@@ -1,9 +1,9 @@
 """optbook.kernels: the symmetric Gram kernels, run by Triton's interpreter on CPU tensors.
 
-``TRITON_INTERPRET=1`` is set per test (a fixture), before the first launch: ``optbook.kernels`` jits its
-kernel on first use, when Triton reads the variable, so the same kernel a GPU compiles runs in numpy
-here. Small shapes and 16 x 16 tiles (``blocks=(16, 16)``) so that sizes cross tile edges; the
-interpreter is slow (tenths of a second a call).
+``TRITON_INTERPRET=1`` is set per test (a fixture, so no other test file sees it): ``optbook.kernels`` reads
+it on each call and jits its kernel for the interpreter, so the kernel a GPU compiles runs in numpy here.
+Small shapes and 16 x 16 tiles (``blocks=(16, 16)``) so that sizes cross tile edges; the interpreter is
+slow (tenths of a second a call). One test compiles the kernel for a Hopper GPU, which needs none.
 """
 
 import os
@@ -33,8 +33,9 @@ def _gram_bound(X, dtype):
 
     Accumulating ``n`` products in float32 errs by at most ``n u32 (|X| |X|^T)`` (Higham 2002, sec. 3.1,
     u32 = eps/2); the final rounding to bf16/fp16 adds ``u (|X X^T|) <= u (|X| |X|^T)``. We allow
-    ``n eps32 + eps(dtype)`` times ``|X| |X|^T``: twice the worst case, and still ~1e3 below what a
-    wrong tile or a lost k-chunk would give.
+    ``n eps32 + eps(dtype)`` times ``|X| |X|^T``: twice the worst case, and still far below what a wrong
+    tile or a dropped 16-wide k-chunk gives (about 16 / n of ``|X| |X|^T``: 0.25 for n = 65, against
+    8e-6 allowed in float32 and 8e-3 in bf16).
     """
     n = X.shape[-1]
     absprod = X.double().abs() @ X.double().abs().mT
@@ -94,8 +95,9 @@ def test_non_contiguous_input_needs_no_copy(interpret, view):
 
 
 def test_many_tiles_map_to_every_lower_tile_once(interpret):
-    # 200 rows in 16-row tiles: 13 tile rows, 91 lower tiles; the program -> (i, j) map inverts
-    # pid = i (i + 1) / 2 + j with a float sqrt, fixed up at each row start (where 8 pid + 1 is a square)
+    # 200 rows in 16-row tiles: 13 tile rows, 91 lower tiles, each program's (i, j) from inverting
+    # pid = i (i + 1) / 2 + j with a float32 sqrt. (That sqrt is exact at these sizes; the kernel's two
+    # integer fix-ups are for grids of millions of tiles, beyond what the interpreter can run.)
     X = torch.randn(200, 3)
     A = gram_xxt(X, blocks=SMALL)
     assert ((A.double() - X.double() @ X.double().mT).abs() <= _gram_bound(X, torch.float32)).all()
@@ -122,7 +124,7 @@ def test_out_is_written_and_returned(interpret):
     out = torch.full((2, 9, 9), float("nan"))
     assert gram_xxt(X, out=out, blocks=SMALL) is out and torch.equal(out, out.mT)
     B = torch.empty(9, 9)
-    assert gram_poly(out[0], 0.5, 1.0, out=B) is B and not B.isnan().any()
+    assert gram_poly(out[0], 0.5, 1.0, out=B) is B and not B.isnan().any() and torch.equal(B, B.mT)
 
 
 def test_backend_is_the_interpreter_with_the_variable_and_torch_without(interpret, monkeypatch):
