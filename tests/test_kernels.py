@@ -135,6 +135,8 @@ def test_backend_is_the_interpreter_with_the_variable_and_torch_without(interpre
     assert torch.equal(gram_xxt(X), X @ X.mT)
     A = X @ X.mT
     assert torch.equal(gram_poly(A, 2.0, 3.0), torch.addmm(A, A, A.mT, beta=2.0, alpha=3.0))
+    A = torch.randn(2, 40, 40).bfloat16()
+    assert torch.equal(gram_poly(A, 2.0, 0.0), 2.0 * A)   # c = 0 (the cubic's step): b A
 
 
 @pytest.mark.parametrize("call, error, match", [

@@ -176,7 +176,8 @@ def gram_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = No
 
     Returns:
         ``B`` of ``A``'s shape and dtype; symmetric bit for bit on the Triton backends. The torch
-        fallback (see :func:`gram_backend`) is ``torch.baddbmm(A, A, A.mT, beta=b, alpha=c)``.
+        fallback (see :func:`gram_backend`) is ``torch.baddbmm(A, A, A.mT, beta=b, alpha=c)``
+        (``b * A`` when ``c == 0``).
 
     Raises:
         TypeError: ``A`` not a tensor or of another dtype; ``b`` or ``c`` not a real number.
@@ -194,6 +195,8 @@ def gram_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = No
     blocks = _check_blocks(blocks)
     out = _check_out(out, A, tuple(A.shape))
     if gram_backend(A) == "torch":
+        if c == 0:   # b A, as newton_schulz does (it reports CPU baddbmm with alpha=0 dropping beta)
+            return torch.mul(A, b, out=out)
         if A.ndim == 2:
             return torch.addmm(A, A, A.mT, beta=b, alpha=c, out=out)
         return torch.baddbmm(A, A, A.mT, beta=b, alpha=c, out=out)
