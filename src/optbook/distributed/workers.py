@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["clip_problem", "raise_on_rank", "sharded_clip_worker"]
+__all__ = ["clip_problem", "raise_on_rank", "sharded_clip_worker", "zero1_bad_input", "zero1_case16", "zero1_grads",
+           "zero1_mean_grads", "zero1_problem", "zero1_raise_mid_run", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -85,4 +86,240 @@ def raise_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
     if rank == bad_rank:
         raise ValueError(f"rank {rank} fails on purpose")
     dist.barrier()
+    return rank
+
+
+# --- ZeRO-1 (chapter 13 and tests/test_zero1.py) ----------------------------------------------------------------
+def zero1_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[list[torch.Tensor], list[dict]]:
+    """Parameters and param groups that exercise the ZeRO-1 layout, the same on every rank for ``seed``.
+
+    Returns:
+        ``(params, groups)``: six leaf tensors of ``dtype`` with shapes ``(20, 15)`` (larger than a shard),
+        ``(7,)``, ``(0, 3)`` (zero elements), ``(1,)``, ``(9, 4)``, ``(3,)``, entries ``k / 64`` with integer
+        ``k`` in ``[-64, 64)`` (exact in bfloat16); and three groups that interleave relative to that order:
+        ``[params[4], params[0]]`` (weight decay 0.1), ``[params[3]]`` (one element: fewer than the ranks;
+        lr 0.05, no decay), ``[params[1], params[2], params[5]]`` (defaults).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(20, 15), (7,), (0, 3), (1,), (9, 4), (3,)]
+    params = [(torch.randint(-64, 64, s, generator=gen) / 64).to(dtype).requires_grad_() for s in shapes]
+    groups = [{"params": [params[4], params[0]], "weight_decay": 0.1},
+              {"params": [params[3]], "lr": 0.05, "weight_decay": 0.0},
+              {"params": [params[1], params[2], params[5]]}]
+    return params, groups
+
+
+def zero1_grads(params: list[torch.Tensor], step: int, rank: int, seed: int = 0, *, same_on_every_rank=False
+                ) -> list[torch.Tensor | None]:
+    """Rank ``rank``'s gradients at ``step`` for :func:`zero1_problem`'s parameters (dyadic, so every sum
+    over ranks is exact in any order and the mean over ranks equals the single-process one bit for bit).
+
+    Entries are ``k / 256`` with integer ``k`` in ``[-512, 512)``. ``params[1]`` has a gradient on rank 0
+    only (``None`` elsewhere); ``params[5]`` never has one. ``same_on_every_rank``: draw as if ``rank = 0``
+    (then the mean is exactly that gradient, also in bfloat16).
+    """
+    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + (0 if same_on_every_rank else rank))
+    grads = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype) for p in params]
+    if rank != 0 and not same_on_every_rank:
+        grads[1] = None
+    grads[5] = None
+    return grads
+
+
+def zero1_mean_grads(params: list[torch.Tensor], step: int, world_size: int, seed: int = 0, *,
+                     same_on_every_rank=False) -> list[torch.Tensor | None]:
+    """The single-process reference: the mean over ranks of :func:`zero1_grads` (``None`` counted as zeros;
+    ``None`` where no rank has a gradient), summed exactly and divided once."""
+    per_rank = [zero1_grads(params, step, r, seed, same_on_every_rank=same_on_every_rank)
+                for r in range(world_size)]
+    out = []
+    for i, p in enumerate(params):
+        gs = [g[i] for g in per_rank if g[i] is not None]
+        out.append(None if not gs else (torch.stack(gs).to(torch.float64).sum(0) / world_size).to(p.dtype))
+    return out
+
+
+def _set_grads(params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def zero1_case16(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64, steps: int = 3) -> dict:
+    """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
+    (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
+    weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps ``k = 1, 2, 3``.
+
+    Returns:
+        ``{"params": [A, B], "norms": [pre-clip norm per step], "pieces": this rank's pieces,
+        "padding_zero": whether the padding of the parameter and gradient buffers is still exactly zero}``.
+    """
+    from .zero1 import DistributedOptimizer
+
+    A = torch.tensor([1.0, 2, 3, 4, 5], dtype=dtype, requires_grad=True)
+    B = torch.tensor([[1.0, -1], [0.5, -0.5]], dtype=dtype, requires_grad=True)
+    opt = DistributedOptimizer([A, B], lr=0.1, weight_decay=0.01, max_grad_norm=1.0, param_alignment=1,
+                               bucket_alignment=16)
+    norms = []
+    for k in range(1, steps + 1):
+        A.grad = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
+        B.grad = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        opt.step()
+        norms.append(opt.last_grad_norm.item())
+    real = sum(r.numel for r in opt.layout.params)
+    padding_zero = all(bool((buf[real:] == 0).all()) for buf in (*opt.param_buffers.values(),
+                                                                   *opt.grad_buffers.values()))
+    return {"params": [A.detach(), B.detach()], "norms": norms, "pieces": opt.pieces,
+            "padding_zero": padding_zero}
+
+
+def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
+                checkpoint_at: int = 3, bucket_size: int | None = 200, low_precision: bool = False,
+                overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
+    """Train :func:`zero1_problem` with :class:`~optbook.distributed.DistributedOptimizer` (AdamW, lr 0.01).
+
+    float64 (``low_precision=False``): each rank gets its own :func:`zero1_grads`. bfloat16 with a
+    ``DynamicLossScaler(2**10, growth_interval=2, hysteresis=1)``: every rank gets the same gradient times
+    the loss scale, and at each step in ``overflow_at`` the last rank's first gradient holds ``inf``.
+    At step ``lr_change_at`` the first group's lr becomes 0.02 (as a scheduler would set it).
+
+    Args:
+        resume: ``None`` to start at step 0, or a checkpoint returned by an earlier call (any world size):
+            the parameters and the consolidated optimizer state at step ``checkpoint_at``, from which this
+            run continues.
+
+    Returns:
+        ``{"params": final parameters, "state_dict": consolidated at the end (rank 0, else None),
+        "checkpoint": {"params", "optimizer"} at ``checkpoint_at`` (on the last rank; None when resuming),
+        "applied": step() results, "scales": loss scale after each step, "skipped_steps": int,
+        "pieces": this rank's pieces, "memory": memory_bytes()}``.
+    """
+    from ..precision import DynamicLossScaler
+    from .zero1 import DistributedOptimizer
+
+    dtype = torch.bfloat16 if low_precision else torch.float64
+    params, groups = zero1_problem(seed, dtype)
+    scaler = DynamicLossScaler(2.0**10, growth_interval=2, hysteresis=1) if low_precision else None
+    start = 0
+    if resume is not None:
+        with torch.no_grad():
+            for p, saved in zip(params, resume["params"]):
+                p.copy_(saved)
+        start = checkpoint_at
+    opt = DistributedOptimizer(groups, lr=0.01, bucket_size=bucket_size, loss_scaler=scaler)
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+    checkpoint, applied, scales = None, [], []
+    for t in range(start, steps):
+        if t == checkpoint_at and resume is None:
+            opt.consolidate_state_dict(to=world_size - 1)
+            if rank == world_size - 1:
+                checkpoint = {"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}
+        if t == lr_change_at:
+            opt.param_groups[0]["lr"] = 0.02
+        grads = zero1_grads(params, t, rank, seed, same_on_every_rank=low_precision)
+        if low_precision:
+            grads = [None if g is None else g * opt.loss_scale for g in grads]
+            if t in overflow_at and rank == world_size - 1:
+                grads[0][0, 0] = float("inf")
+        _set_grads(params, grads)
+        applied.append(opt.step())
+        scales.append(opt.loss_scale)
+        opt.zero_grad()
+    opt.consolidate_state_dict(to=0)
+    return {"params": [p.detach() for p in params], "state_dict": opt.state_dict() if rank == 0 else None,
+            "checkpoint": checkpoint, "applied": applied, "scales": scales, "skipped_steps": opt.skipped_steps,
+            "pieces": opt.pieces, "memory": opt.memory_bytes()}
+
+
+def _snapshot(opt, params) -> list[torch.Tensor]:
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in (*params, *state, *opt.master_shards.values())]
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                    for x, y in zip(a, b))
+
+
+def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0) -> dict:
+    """Bad input on one rank or on all: every rank raises, nothing is written, the ranks stay in step.
+
+    After two good steps: (1) the last rank passes a sparse gradient, (2) rank 0 alone sets ``betas`` to
+    ``(1.5, 0.999)``, (3) every rank sets ``lr = -1``, (4) the last rank replaces a parameter's ``.data`` (it
+    leaves the flat buffer). Each time every rank catches the error; then a good step runs (no rank hangs).
+
+    Returns:
+        ``{"errors": [(type name, message) per case], "untouched": [bool per case: parameters, state and
+        masters bitwise unchanged], "grads_untouched": bool, "after": parameters after the final good step,
+        "constructor_errors": {case: (type name, message)}}``.
+    """
+    from ..optim import Muon
+    from .zero1 import DistributedOptimizer
+
+    params, groups = zero1_problem(seed)
+    opt = DistributedOptimizer(groups, lr=0.01)
+    for t in range(2):
+        _set_grads(params, zero1_grads(params, t, rank, seed))
+        opt.step()
+    errors, untouched = [], []
+    good = zero1_grads(params, 2, rank, seed)
+    grads_untouched = True
+    last = world_size - 1
+    for what in ("sparse", "betas", "lr", "data"):
+        grads = [None if g is None else g.clone() for g in good]
+        if what == "sparse" and rank == last:
+            grads[4] = grads[4].to_sparse()
+        _set_grads(params, grads)
+        before = _snapshot(opt, params)
+        grads_before = [p.grad.clone() for p in params if p.grad is not None]
+        saved = {k: opt.param_groups[0][k] for k in ("lr", "betas")}
+        view = params[0].data
+        if what == "betas" and rank == 0:
+            opt.param_groups[0]["betas"] = (1.5, 0.999)
+        if what == "lr":
+            opt.param_groups[0]["lr"] = -1.0
+        if what == "data" and rank == last:
+            params[0].data = view.clone()
+        try:
+            opt.step()
+            errors.append(None)
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append((type(e).__name__, str(e)))
+        opt.param_groups[0].update(saved)
+        params[0].data = view
+        untouched.append(_bitwise_equal(before, _snapshot(opt, params)))
+        grads_untouched &= all(torch.equal(a.to_dense(), b.to_dense()) for a, b in
+                               zip(grads_before, [p.grad for p in params if p.grad is not None]))
+    _set_grads(params, good)
+    opt.step()
+    constructor_errors = {}
+    for name, kwargs in [("muon", dict(optimizer_class=Muon)), ("max_grad_norm", dict(max_grad_norm=0.0)),
+                         ("bucket_size", dict(bucket_size=0)), ("lr", dict(lr=-0.1)),
+                         ("float16", dict()), ("to", None)]:
+        try:
+            if name == "float16":
+                DistributedOptimizer([torch.zeros(3, dtype=torch.float16, requires_grad=True)])
+            elif name == "to":
+                opt.consolidate_state_dict(to=world_size)
+            else:
+                DistributedOptimizer([torch.zeros(3, requires_grad=True)], **kwargs)
+            constructor_errors[name] = None
+        except (TypeError, ValueError) as e:
+            constructor_errors[name] = (type(e).__name__, str(e))
+    return {"errors": errors, "untouched": untouched, "grads_untouched": grads_untouched,
+            "after": [p.detach() for p in params], "constructor_errors": constructor_errors}
+
+
+def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
+    """Train :func:`zero1_problem`; rank ``bad_rank`` raises before its step ``at_step`` while the other ranks
+    enter the step's reduce-scatter. :func:`optbook.distributed.launch` must then fail fast (not hang)."""
+    from .zero1 import DistributedOptimizer
+
+    params, groups = zero1_problem()
+    opt = DistributedOptimizer(groups, lr=0.01)
+    for t in range(4):
+        if t == at_step and rank == bad_rank:
+            raise RuntimeError(f"rank {rank} fails on purpose at step {t}")
+        _set_grads(params, zero1_grads(params, t, rank))
+        opt.step()
     return rank
