@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
 __all__ = ["clip_problem", "raise_on_rank", "sharded_clip_worker", "zero1_bad_input", "zero1_case16", "zero1_grads",
-           "zero1_mean_grads", "zero1_problem", "zero1_raise_mid_run", "zero1_train"]
+           "zero1_mean_grads", "zero1_problem", "zero1_raise_mid_run", "zero1_suite", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -109,33 +109,39 @@ def zero1_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[li
     return params, groups
 
 
-def zero1_grads(params: list[torch.Tensor], step: int, rank: int, seed: int = 0, *, same_on_every_rank=False
-                ) -> list[torch.Tensor | None]:
-    """Rank ``rank``'s gradients at ``step`` for :func:`zero1_problem`'s parameters (dyadic, so every sum
-    over ranks is exact in any order and the mean over ranks equals the single-process one bit for bit).
-
-    Entries are ``k / 256`` with integer ``k`` in ``[-512, 512)``. ``params[1]`` has a gradient on rank 0
-    only (``None`` elsewhere); ``params[5]`` never has one. ``same_on_every_rank``: draw as if ``rank = 0``
-    (then the mean is exactly that gradient, also in bfloat16).
-    """
-    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + (0 if same_on_every_rank else rank))
+def zero1_mean_grads(params: list[torch.Tensor], step: int, seed: int = 0) -> list[torch.Tensor | None]:
+    """The gradient of the whole batch at ``step`` (the same at every world size): what a single process
+    would use. Entries ``k / 256`` with integer ``k`` in ``[-512, 512)`` in ``params``' dtype; ``params[5]``
+    has none (``None``)."""
+    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step)
     grads = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype) for p in params]
-    if rank != 0 and not same_on_every_rank:
-        grads[1] = None
     grads[5] = None
     return grads
 
 
-def zero1_mean_grads(params: list[torch.Tensor], step: int, world_size: int, seed: int = 0, *,
-                     same_on_every_rank=False) -> list[torch.Tensor | None]:
-    """The single-process reference: the mean over ranks of :func:`zero1_grads` (``None`` counted as zeros;
-    ``None`` where no rank has a gradient), summed exactly and divided once."""
-    per_rank = [zero1_grads(params, step, r, seed, same_on_every_rank=same_on_every_rank)
-                for r in range(world_size)]
+def zero1_grads(params: list[torch.Tensor], step: int, rank: int, world_size: int, seed: int = 0, *,
+                same_on_every_rank: bool = False) -> list[torch.Tensor | None]:
+    """Rank ``rank``'s gradients at ``step``: their mean over the ``world_size`` ranks is exactly
+    :func:`zero1_mean_grads` at every world size (all values are dyadic, so the sums are exact in any order).
+
+    Rank ``r`` gets ``G + (r - (world_size - 1) / 2) * D`` (the deviations sum to zero), with ``G`` the mean
+    gradient and ``D`` another draw of the same kind; ``params[1]`` gets ``world_size * G`` on rank 0 and no
+    gradient (``None``) elsewhere; ``params[5]`` never has one. ``same_on_every_rank``: every rank gets ``G``
+    (for bfloat16, where ``G + D`` would be rounded).
+    """
+    mean = zero1_mean_grads(params, step, seed)
+    if same_on_every_rank:
+        return mean
+    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + 7)
     out = []
-    for i, p in enumerate(params):
-        gs = [g[i] for g in per_rank if g[i] is not None]
-        out.append(None if not gs else (torch.stack(gs).to(torch.float64).sum(0) / world_size).to(p.dtype))
+    for i, (p, g) in enumerate(zip(params, mean)):
+        d = (torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype)
+        if g is None:
+            out.append(None)
+        elif i == 1:
+            out.append(world_size * g if rank == 0 else None)
+        else:
+            out.append(g + (rank - (world_size - 1) / 2) * d)
     return out
 
 
@@ -216,7 +222,7 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
                 checkpoint = {"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}
         if t == lr_change_at:
             opt.param_groups[0]["lr"] = 0.02
-        grads = zero1_grads(params, t, rank, seed, same_on_every_rank=low_precision)
+        grads = zero1_grads(params, t, rank, world_size, seed, same_on_every_rank=low_precision)
         if low_precision:
             grads = [None if g is None else g * opt.loss_scale for g in grads]
             if t in overflow_at and rank == world_size - 1:
@@ -259,10 +265,10 @@ def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0) -> dict:
     params, groups = zero1_problem(seed)
     opt = DistributedOptimizer(groups, lr=0.01)
     for t in range(2):
-        _set_grads(params, zero1_grads(params, t, rank, seed))
+        _set_grads(params, zero1_grads(params, t, rank, world_size, seed))
         opt.step()
     errors, untouched = [], []
-    good = zero1_grads(params, 2, rank, seed)
+    good = zero1_grads(params, 2, rank, world_size, seed)
     grads_untouched = True
     last = world_size - 1
     for what in ("sparse", "betas", "lr", "data"):
@@ -320,6 +326,28 @@ def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_ste
     for t in range(4):
         if t == at_step and rank == bad_rank:
             raise RuntimeError(f"rank {rank} fails on purpose at step {t}")
-        _set_grads(params, zero1_grads(params, t, rank))
+        _set_grads(params, zero1_grads(params, t, rank, world_size))
         opt.step()
     return rank
+
+
+def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> dict:
+    """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch (each launch costs seconds of imports).
+
+    Runs :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow at step 2 (each from
+    step 0, and from ``resume[kind]`` when given: a checkpoint taken at another world size),
+    :func:`zero1_case16` and :func:`zero1_bad_input`.
+
+    Returns:
+        ``{"float64": ..., "bfloat16": ..., "float64_resumed": ... or None, "bfloat16_resumed": ... or None,
+        "case16": ..., "bad_input": ...}`` (the dicts those functions return).
+    """
+    resume = resume or {}
+    out = {"float64": zero1_train(rank, world_size),
+           "bfloat16": zero1_train(rank, world_size, low_precision=True, overflow_at=(2,))}
+    out["float64_resumed"] = zero1_train(rank, world_size, resume=resume["float64"]) if "float64" in resume else None
+    out["bfloat16_resumed"] = (zero1_train(rank, world_size, low_precision=True, overflow_at=(2,),
+                                           resume=resume["bfloat16"]) if "bfloat16" in resume else None)
+    out["case16"] = zero1_case16(rank, world_size)
+    out["bad_input"] = zero1_bad_input(rank, world_size)
+    return out

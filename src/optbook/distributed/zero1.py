@@ -600,6 +600,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         entry[key] = value  # the same on every piece (a step count)
                 if master is not None:
                     masters.setdefault(index, torch.zeros(r.numel, dtype=master.dtype))[s:e] = master
+        for r in self.layout.params:  # every low-precision parameter has a master (zero elements included)
+            if r.dtype in _LOW_PRECISION:
+                masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
         state = {}
         for index in sorted(flat_state):
             if flat_state[index]:
