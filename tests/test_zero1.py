@@ -98,7 +98,7 @@ def test_shards_are_equal_and_cover_every_element_once():
             assert covered[-1][1] == r.numel
 
 
-def test_case16_layout_pads_on_two_ranks_and_leaves_the_last_rank_only_padding():
+def test_padding_layout_pads_on_two_ranks_and_leaves_the_last_rank_only_padding():
     A, B = torch.zeros(5, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)
     layout = shard_layout([A, B], 4, param_alignment=1, bucket_alignment=16)
     assert layout.buffer_numel[torch.float64] == 16 and layout.buckets[0].shard_numel == 4
@@ -193,17 +193,17 @@ def test_a_checkpoint_loads_into_single_process_adamw_and_torch_optim_adamw(runs
                 torch.testing.assert_close(p, e, rtol=1e-12, atol=1e-14)
 
 
-def test_case16_matches_the_single_process_numbers_and_padding_stays_zero(runs):
+def test_padding_and_clipping_match_the_single_process_numbers_and_padding_stays_zero(runs):
     final_A = [0.697302946, 2.293706051, 2.691308919, 4.287712074, 4.685314909]
     final_B = [[0.697302907, -0.697302907], [0.198801402, -0.198801402]]
     for world_size in (2, 3, 4):
         for report in runs[world_size]:
-            c = report["case16"]
+            c = report["padding_clip"]
             assert c["norms"] == pytest.approx([1.6401219, 3.2802439, 4.9203658], abs=1e-7)
             torch.testing.assert_close(c["params"][0], torch.tensor(final_A, dtype=torch.float64), rtol=0, atol=1e-9)
             torch.testing.assert_close(c["params"][1], torch.tensor(final_B, dtype=torch.float64), rtol=0, atol=1e-9)
             assert c["padding_zero"]
-    assert runs[4][3]["case16"]["pieces"] == []  # the padding-only rank took part without hanging
+    assert runs[4][3]["padding_clip"]["pieces"] == []  # the padding-only rank took part without hanging
 
 
 # --- multi-process: bad input and failures ----------------------------------------------------------------------

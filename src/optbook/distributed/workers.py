@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["clip_problem", "raise_on_rank", "sharded_clip_worker", "zero1_bad_input", "zero1_case16", "zero1_grads",
-           "zero1_mean_grads", "zero1_problem", "zero1_raise_mid_run", "zero1_suite", "zero1_train"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker", "zero1_bad_input",
+           "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip", "zero1_problem",
+           "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -150,7 +151,7 @@ def _set_grads(params, grads) -> None:
         p.grad = None if g is None else g.clone()
 
 
-def zero1_case16(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64, steps: int = 3) -> dict:
+def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64, steps: int = 3) -> dict:
     """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
     (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
     weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps ``k = 1, 2, 3``.
@@ -336,11 +337,11 @@ def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> di
 
     Runs :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow at step 2 (each from
     step 0, and from ``resume[kind]`` when given: a checkpoint taken at another world size),
-    :func:`zero1_case16` and :func:`zero1_bad_input`.
+    :func:`zero1_padding_clip` and :func:`zero1_bad_input`.
 
     Returns:
         ``{"float64": ..., "bfloat16": ..., "float64_resumed": ... or None, "bfloat16_resumed": ... or None,
-        "case16": ..., "bad_input": ...}`` (the dicts those functions return).
+        "padding_clip": ..., "bad_input": ...}`` (the dicts those functions return).
     """
     resume = resume or {}
     out = {"float64": zero1_train(rank, world_size),
@@ -348,6 +349,103 @@ def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> di
     out["float64_resumed"] = zero1_train(rank, world_size, resume=resume["float64"]) if "float64" in resume else None
     out["bfloat16_resumed"] = (zero1_train(rank, world_size, low_precision=True, overflow_at=(2,),
                                            resume=resume["bfloat16"]) if "bfloat16" in resume else None)
-    out["case16"] = zero1_case16(rank, world_size)
+    out["padding_clip"] = zero1_padding_clip(rank, world_size)
     out["bad_input"] = zero1_bad_input(rank, world_size)
     return out
+
+
+def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
+    """The chapter's model: ``Linear(64, 256) - ReLU - Linear(256, 256) - ReLU - Linear(256, 10)`` (85 002
+    parameters, the middle matrix 77 % of them), initialised from ``seed`` in ``dtype``."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(dtype)
+    torch.random.set_rng_state(gen_state)
+    return model
+
+
+def chapter_batch(seed: int = 0, n: int = 32, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A regression batch for :func:`chapter_mlp`: inputs ``(n, 64)`` and targets ``(n, 10)``, N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(n, 64, generator=gen, dtype=dtype), torch.randn(n, 10, generator=gen, dtype=dtype)
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def zero1_chapter(rank: int, world_size: int, *, steps: int = 20, seed: int = 0) -> dict:
+    """Everything chapter 13 runs on ``world_size`` gloo processes, in one launch.
+
+    1. ``"dyadic"``: the final parameters of :func:`zero1_train` (float64; its single-process twin is
+       exactly computable).
+    2. ``"mlp"``: :func:`chapter_mlp` in float64 trained for ``steps`` steps on rank ``rank``'s equal slice
+       of :func:`chapter_batch` (mean squared error), DistributedOptimizer(AdamW, lr 1e-2, weight decay 0.1,
+       max_grad_norm 1.0); ``"norms"``: the pre-clip norm of each step.
+    3. ``"ledger"``: ``memory_bytes()`` after one step of the bfloat16 model (float32 masters, dynamic loss
+       scaling) with default alignment.
+    4. ``"zero_state"`` / ``"ours_state"``: optimizer-state bytes on this rank after one step of the float32
+       model, for ``torch.distributed.optim.ZeroRedundancyOptimizer(torch.optim.AdamW)`` (whole parameters
+       per rank; gradients all-reduced by hand, mean) and for DistributedOptimizer(torch.optim.AdamW);
+       ``"zero_vs_ours"``: the largest difference between their parameters after that step.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ..precision import DynamicLossScaler
+    from .zero1 import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    out = {"dyadic": zero1_train(rank, world_size)["params"]}
+    X, Y = chapter_batch(seed)
+    n = X.shape[0] // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+
+    model = chapter_mlp(seed)
+    opt = DistributedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    norms = []
+    for _ in range(steps):
+        torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm.item())
+    out["mlp"], out["norms"] = [p.detach() for p in model.parameters()], norms
+
+    model16 = chapter_mlp(seed, torch.bfloat16)
+    opt16 = DistributedOptimizer(model16.parameters(), lr=1e-3, loss_scaler=DynamicLossScaler(2.0**8))
+    loss = torch.nn.functional.mse_loss(model16(X[mine].bfloat16()).float(), Y[mine].float())
+    opt16.scale_loss(loss).backward()
+    out["applied16"] = opt16.step()
+    out["ledger"] = opt16.memory_bytes()
+
+    ours_model, zero_model = chapter_mlp(seed, torch.float32), chapter_mlp(seed, torch.float32)
+    ours = DistributedOptimizer(ours_model.parameters(), torch.optim.AdamW, lr=1e-3)
+    zero = ZeroRedundancyOptimizer(zero_model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    for m in (ours_model, zero_model):
+        torch.nn.functional.mse_loss(m(X[mine].float()), Y[mine].float()).backward()
+    for p in zero_model.parameters():  # what DistributedDataParallel would do
+        dist.all_reduce(p.grad)
+        p.grad.div_(world_size)
+    ours.step()
+    zero.step()
+    out["ours_state"], out["zero_state"] = _state_bytes(ours.optimizer), _state_bytes(zero.optim)
+    out["zero_vs_ours"] = max((a - b).abs().max().item()
+                              for a, b in zip(ours_model.parameters(), zero_model.parameters()))
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def zero1_reference(steps: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    """The single-process twin of :func:`zero1_train` in float64: ``optbook.optim.AdamW`` (lr 0.01; the
+    first group's lr 0.02 from step 2) on :func:`zero1_mean_grads`. Returns the final parameters."""
+    from ..optim import AdamW
+
+    params, groups = zero1_problem(seed)
+    opt = AdamW(groups, lr=0.01)
+    for t in range(steps):
+        if t == 2:
+            opt.param_groups[0]["lr"] = 0.02
+        _set_grads(params, zero1_mean_grads(params, t, seed))
+        opt.step()
+    return [p.detach() for p in params]
