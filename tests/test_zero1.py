@@ -233,3 +233,10 @@ def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():
         launch(zero1_raise_mid_run, 2, bad_rank=1, at_step=2, timeout=120.0)
     assert "fails on purpose at step 2" in str(info.value)
     assert time.monotonic() - start < 60.0  # rank 0 waits in the reduce-scatter (up to 120 s): it was stopped
+
+
+def test_step_hooks_run_once_per_step_and_a_scheduler_sets_the_lr_the_shards_use(runs):
+    for report in runs[2]:
+        r = report["scheduler"]
+        assert r["calls"] == ["pre", "post", "pre", "post"]
+        assert r["lrs"] == [1.0, 0.5]

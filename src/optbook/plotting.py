@@ -99,7 +99,7 @@ def shard_layout(ax, layout, names: list[str] | None = None) -> list[tuple[str, 
     ax.set_axis_off()
     width = max(b.numel for b in layout.buckets)
     for row, bucket in enumerate(layout.buckets):
-        y = -1.6 * row
+        y = -2.2 * row
         owner = {}
         for r in layout.params:
             if r.bucket == row:
@@ -114,10 +114,10 @@ def shard_layout(ax, layout, names: list[str] | None = None) -> list[tuple[str, 
             x = rank * bucket.shard_numel
             ax.plot([x, x], [y - 0.15, y + 1.15], color="k", lw=2)
             if rank < layout.world_size:
-                ax.text(x + bucket.shard_numel / 2, y - 0.35, f"rank {rank}", ha="center", va="top", fontsize=8)
+                ax.text(x + bucket.shard_numel / 2, y - 0.2, f"rank {rank}", ha="center", va="top", fontsize=8)
         ax.text(-0.5, y + 0.5, f"bucket {row}", ha="right", va="center", fontsize=9)
     ax.set_xlim(-4, width + 0.5)
-    ax.set_ylim(-1.6 * (len(layout.buckets) - 1) - 0.9, 1.3)
+    ax.set_ylim(-2.2 * (len(layout.buckets) - 1) - 1.0, 1.3)
     handles = [Patch(facecolor=colors(r.index % 10), label=f"{names[r.index]} {tuple(r.shape)}") for r in layout.params]
     handles.append(Patch(facecolor="0.92", edgecolor="0.7", hatch="///", label="padding"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=min(4, len(handles)), fontsize=8)

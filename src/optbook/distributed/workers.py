@@ -351,7 +351,28 @@ def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> di
                                            resume=resume["bfloat16"]) if "bfloat16" in resume else None)
     out["padding_clip"] = zero1_padding_clip(rank, world_size)
     out["bad_input"] = zero1_bad_input(rank, world_size)
+    out["scheduler"] = _zero1_scheduler_and_hooks()
     return out
+
+
+def _zero1_scheduler_and_hooks() -> dict:
+    """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
+    the hook calls (each hook must run once per step)."""
+    from .zero1 import DistributedOptimizer
+
+    p = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    opt = DistributedOptimizer([p], lr=1.0, weight_decay=0.0)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    lrs = []
+    for _ in range(2):
+        p.grad = torch.ones(3, dtype=torch.float64)
+        assert opt.step()
+        lrs.append(opt.optimizer.param_groups[0]["lr"])  # what the shard step used
+        sched.step()
+    return {"calls": calls, "lrs": lrs, "param": p.detach()}
 
 
 def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:

@@ -467,8 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
         return bool(found.item())
 
-    @torch.optim.Optimizer.profile_hook_step
-    @torch.no_grad()
+    @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
     def step(self, closure=None) -> bool:
         """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
 
