@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker", "zero1_bad_input",
-           "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip", "zero1_problem",
-           "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker",
+           "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip",
+           "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -90,7 +90,7 @@ def raise_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
     return rank
 
 
-# --- ZeRO-1 (chapter 13 and tests/test_zero1.py) ----------------------------------------------------------------
+# --- ZeRO-1 (chapter 13 and tests/test_zero1.py) ---------------------------------------------------------
 def zero1_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[list[torch.Tensor], list[dict]]:
     """Parameters and param groups that exercise the ZeRO-1 layout, the same on every rank for ``seed``.
 
@@ -151,10 +151,12 @@ def _set_grads(params, grads) -> None:
         p.grad = None if g is None else g.clone()
 
 
-def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64, steps: int = 3) -> dict:
+def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64,
+                       steps: int = 3) -> dict:
     """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
     (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
-    weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps ``k = 1, 2, 3``.
+    weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps
+    ``k = 1, 2, 3``.
 
     Returns:
         ``{"params": [A, B], "norms": [pre-clip norm per step], "pieces": this rank's pieces,
@@ -234,7 +236,8 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
         opt.zero_grad()
     opt.consolidate_state_dict(to=0)
     return {"params": [p.detach() for p in params], "state_dict": opt.state_dict() if rank == 0 else None,
-            "checkpoint": checkpoint, "applied": applied, "scales": scales, "skipped_steps": opt.skipped_steps,
+            "checkpoint": checkpoint, "applied": applied, "scales": scales,
+            "skipped_steps": opt.skipped_steps,
             "pieces": opt.pieces, "memory": opt.memory_bytes()}
 
 
@@ -244,8 +247,8 @@ def _snapshot(opt, params) -> list[torch.Tensor]:
 
 
 def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
 def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0) -> dict:
@@ -335,7 +338,8 @@ def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_ste
 def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> dict:
     """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch (each launch costs seconds of imports).
 
-    Runs :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow at step 2 (each from
+    Runs :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow at step 2 (each
+    from
     step 0, and from ``resume[kind]`` when given: a checkpoint taken at another world size),
     :func:`zero1_padding_clip` and :func:`zero1_bad_input`.
 
@@ -346,7 +350,8 @@ def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> di
     resume = resume or {}
     out = {"float64": zero1_train(rank, world_size),
            "bfloat16": zero1_train(rank, world_size, low_precision=True, overflow_at=(2,))}
-    out["float64_resumed"] = zero1_train(rank, world_size, resume=resume["float64"]) if "float64" in resume else None
+    out["float64_resumed"] = (zero1_train(rank, world_size, resume=resume["float64"])
+                              if "float64" in resume else None)
     out["bfloat16_resumed"] = (zero1_train(rank, world_size, low_precision=True, overflow_at=(2,),
                                            resume=resume["bfloat16"]) if "bfloat16" in resume else None)
     out["padding_clip"] = zero1_padding_clip(rank, world_size)
@@ -386,7 +391,8 @@ def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.S
     return model
 
 
-def chapter_batch(seed: int = 0, n: int = 32, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+def chapter_batch(seed: int = 0, n: int = 32, dtype: torch.dtype = torch.float64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A regression batch for :func:`chapter_mlp`: inputs ``(n, 64)`` and targets ``(n, 10)``, N(0, 1)."""
     gen = torch.Generator().manual_seed(seed + 1)
     return torch.randn(n, 64, generator=gen, dtype=dtype), torch.randn(n, 10, generator=gen, dtype=dtype)

@@ -190,7 +190,7 @@ def shard_layout(params, world_size: int, *, bucket_size: int | None = None, par
         offset = bucket_start = 0
         open_bucket = False
 
-        def close(offset: int, bucket_start: int) -> int:
+        def close(offset: int, bucket_start: int, dtype: torch.dtype = dtype) -> int:
             numel = _round_up(offset - bucket_start, multiple)
             buckets.append(Bucket(dtype, bucket_start, numel, world_size))
             return bucket_start + numel
@@ -269,8 +269,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=AdamW, process_group=None, *, loss_scaler=None,
-                 max_grad_norm: float | None = None, bucket_size: int | None = None, param_alignment: int = 64,
-                 bucket_alignment: int = 128, **defaults):
+                 max_grad_norm: float | None = None, bucket_size: int | None = None,
+                 param_alignment: int = 64, bucket_alignment: int = 128, **defaults):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DistributedOptimizer needs an initialised torch.distributed process group "
                                "(optbook.distributed.launch, or init_from_env under torchrun)")
@@ -278,13 +278,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"Invalid optimizer_class: expected a torch.optim.Optimizer subclass, got "
                             f"{optimizer_class!r}")
         if issubclass(optimizer_class, _not_elementwise()):
-            raise ValueError(f"Invalid optimizer_class: {optimizer_class.__name__} does not update element by "
-                             "element, so it cannot step a shard that cuts through a matrix; use AdamW, Adam, SGD "
-                             "or Lion (whole-matrix optimizers need ownership of whole matrices, chapter 14)")
+            raise ValueError(f"Invalid optimizer_class: {optimizer_class.__name__} does not update "
+                             "element by element, so it cannot step a shard that cuts through a matrix; use "
+                             "AdamW, Adam, SGD or Lion (whole-matrix optimizers need ownership of whole "
+                             "matrices, chapter 14)")
         if loss_scaler is not None:
-            lacking = [a for a in ("scale", "update", "state_dict", "load_state_dict") if not hasattr(loss_scaler, a)]
+            needed = ("scale", "update", "state_dict", "load_state_dict")
+            lacking = [a for a in needed if not hasattr(loss_scaler, a)]
             if lacking:
-                raise TypeError(f"Invalid loss_scaler: a {type(loss_scaler).__name__} without {', '.join(lacking)}")
+                raise TypeError(f"Invalid loss_scaler: a {type(loss_scaler).__name__} without "
+                                f"{', '.join(lacking)}")
             from ..precision import _scaler_scale
 
             _scaler_scale(loss_scaler)
@@ -298,15 +301,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all_params = [p for g in groups for p in g["params"]]
         devices = {p.device for p in all_params}
         if len(devices) > 1:
-            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}; put the "
-                             "whole model on this rank's device")
+            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}; put "
+                             "the whole model on this rank's device")
         for i, p in enumerate(all_params):
             if p.dtype == torch.float16 and loss_scaler is None and p.requires_grad:
-                raise ValueError(f"Invalid loss_scaler: parameter {i} (shape {tuple(p.shape)}) is float16, whose "
-                                 "small gradients flush to zero without loss scaling; pass loss_scaler="
+                raise ValueError(f"Invalid loss_scaler: parameter {i} (shape {tuple(p.shape)}) is float16, "
+                                 "whose small gradients flush to zero without loss scaling; pass loss_scaler="
                                  "optbook.precision.DynamicLossScaler()")
-        layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
-                              bucket_alignment=bucket_alignment)
+        layout = shard_layout(all_params, world_size, bucket_size=bucket_size,
+                              param_alignment=param_alignment, bucket_alignment=bucket_alignment)
 
         # Nothing was changed up to here.
         self._layout = None  # add_param_group is allowed while the base class builds the groups
@@ -340,7 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for buf in self.param_buffers.values():
                 if buf.numel():
                     dist.broadcast(buf, src=src, group=group)
-            # float32 masters of this rank's shards of the low-precision buckets (padding included, never stepped)
+            # float32 masters of this rank's shards of low-precision buckets (padding included, never stepped)
             self.master_shards: dict[int, torch.Tensor] = {}
             for b, bucket in enumerate(layout.buckets):
                 if bucket.dtype in _LOW_PRECISION:
@@ -373,8 +376,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             NotImplementedError: after construction (build a new optimizer with every group instead).
         """
         if getattr(self, "_layout", None) is not None:
-            raise NotImplementedError("DistributedOptimizer.add_param_group: the flat buffers are laid out at "
-                                      "construction; build a new DistributedOptimizer with every group")
+            raise NotImplementedError("DistributedOptimizer.add_param_group: the flat buffers are laid out "
+                                      "at construction; build a new DistributedOptimizer with every group")
         super().add_param_group(param_group)
 
     @property
@@ -445,9 +448,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}]"
                 if p.numel() and p.data_ptr() != self._param_view(i).data_ptr():
-                    raise RuntimeError(f"{where} (shape {tuple(p.shape)}) no longer lives in the optimizer's flat "
-                                       "buffer (its .data was replaced, e.g. by model.to() or load_state_dict(assign="
-                                       "True)); copy new values in place instead, then build a new optimizer")
+                    raise RuntimeError(f"{where} (shape {tuple(p.shape)}) no longer lives in the optimizer's "
+                                       "flat buffer (its .data was replaced, e.g. by model.to() or "
+                                       "load_state_dict(assign=True)); copy new values in place instead, "
+                                       "then build a new optimizer")
                 if p.grad is not None:
                     check_grad(p, where)
                 i += 1
@@ -526,8 +530,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         if status[0]:
-            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an invalid "
-                             "input (see its error); nothing was changed on any rank")
+            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
+                             "invalid input (see its error); nothing was changed on any rank")
         found_inf = bool(status[1])
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -581,7 +585,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             master = target.detach().cpu().clone() if piece.bucket in self.master_shards else None
             local.append((piece.index, piece.param_start, piece.param_end, state, master))
         gathered = [None] * self.world_size if self.rank == to else None
-        dst = dist.get_global_rank(self.process_group, to) if self.process_group is not dist.group.WORLD else to
+        world = self.process_group is dist.group.WORLD
+        dst = to if world else dist.get_global_rank(self.process_group, to)
         dist.gather_object(local, gathered, dst=dst, group=self.process_group)
         self._consolidated = self._assemble(gathered) if self.rank == to else None
 
@@ -637,8 +642,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: not consolidated on this rank since the last step.
         """
         if self._consolidated is None:
-            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; call "
-                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
+            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; "
+                               "call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
+                               "on that rank")
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -661,20 +667,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "DistributedOptimizer.state_dict() or a torch.optim optimizer's state_dict())")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer has "
-                             f"{len(self.param_groups)}")
+            raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
         index_of, i = {}, 0
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} parameters, this "
-                                 f"optimizer's has {len(group['params'])}")
+                raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
             for saved_id in saved["params"]:
                 index_of[saved_id] = i
                 i += 1
         state: dict[int, dict] = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in index_of:
-                raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group lists")
+                raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
+                                 "lists")
             index = index_of[saved_id]
             shape = self.layout.params[index].shape
             for key, value in entry.items():
@@ -685,14 +692,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         masters = {}
         for saved_id, value in (state_dict.get("master_params") or {}).items():
             index = index_of.get(saved_id)
-            if index is None or not isinstance(value, torch.Tensor) or value.shape != self.layout.params[index].shape:
-                raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a parameter's shape")
+            if (index is None or not isinstance(value, torch.Tensor)
+                    or value.shape != self.layout.params[index].shape):
+                raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a "
+                                 "parameter's shape")
             masters[index] = value
         scaler_state = state_dict.get("loss_scaler")
         if scaler_state is not None:
             if self.loss_scaler is None:
-                raise ValueError("Invalid state_dict: it holds a loss scaler state, but this optimizer has no "
-                                 "loss_scaler")
+                raise ValueError("Invalid state_dict: it holds a loss scaler state, but this optimizer has "
+                                 "no loss_scaler")
             copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)  # refuses before any write
         skipped = state_dict.get("skipped_steps", self.skipped_steps)
         skipped = _check_int("state_dict['skipped_steps']", skipped, 0)
