@@ -4,9 +4,10 @@ Reference: single-process ``optbook.optim.AdamW`` (float64) and ``MixedPrecision
 same loss scaler (bfloat16), fed the mean gradient. The per-rank gradients are dyadic and their mean is
 exact in any summation order (``optbook.distributed.workers.zero1_grads``), and AdamW is element-wise, so
 the sharded run must equal the reference **bit for bit**; only clipping (whose norm is summed in another
-order) is compared with a tolerance. One launch per world size runs every check (each launch spends
-seconds importing torch in every process); 3 processes resume from the 2-process checkpoint and 4 from
-the 3-process one.
+order) is compared with a tolerance. Each launched process spends seconds importing torch, so one
+launch of 4 processes runs every check on process
+groups of 2, 3 and 4 of them (the smaller groups do not start at global rank 0); the 3-rank run resumes
+from the 2-rank checkpoint and the 4-rank run from the 3-rank one.
 """
 
 import math
@@ -16,25 +17,20 @@ import pytest
 import torch
 
 from optbook.distributed import launch, shard_layout
-from optbook.distributed.workers import zero1_mean_grads, zero1_problem, zero1_raise_mid_run, zero1_suite
+from optbook.distributed.workers import (SUITE_GROUPS, zero1_mean_grads, zero1_problem, zero1_raise_mid_run,
+                                        zero1_suite)
 from optbook.optim import AdamW
 from optbook.precision import DynamicLossScaler, MixedPrecisionOptimizer
 
 STEPS, CHECKPOINT_AT = 6, 3
 
 
-def _resume(results):
-    last = results[-1]  # the checkpoint is consolidated on the last rank
-    return {"float64": last["float64"]["checkpoint"], "bfloat16": last["bfloat16"]["checkpoint"]}
-
-
 @pytest.fixture(scope="module")
 def runs():
-    """{world size: [rank 0's report, rank 1's, ...]}; 3 resumes from 2's checkpoint, 4 from 3's."""
-    out = {2: launch(zero1_suite, 2, timeout=60.0)}
-    out[3] = launch(zero1_suite, 3, resume=_resume(out[2]), timeout=60.0)
-    out[4] = launch(zero1_suite, 4, resume=_resume(out[3]), timeout=60.0)
-    return out
+    """{world size: [group rank 0's report, rank 1's, ...]} from one launch of 4 processes, which runs the
+    checks on groups of 2, 3 and 4 of them (SUITE_GROUPS); 3 resumes from 2's checkpoint, 4 from 3's."""
+    out = launch(zero1_suite, 4, timeout=90.0)
+    return {size: [out[g][size] for g in ranks] for size, ranks in SUITE_GROUPS.items()}
 
 
 def reference(low_precision=False, steps=STEPS, overflow_at=(2,)):

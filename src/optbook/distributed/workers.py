@@ -152,7 +152,7 @@ def _set_grads(params, grads) -> None:
 
 
 def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64,
-                       steps: int = 3) -> dict:
+                       steps: int = 3, group=None) -> dict:
     """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
     (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
     weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps
@@ -166,7 +166,8 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
 
     A = torch.tensor([1.0, 2, 3, 4, 5], dtype=dtype, requires_grad=True)
     B = torch.tensor([[1.0, -1], [0.5, -0.5]], dtype=dtype, requires_grad=True)
-    opt = DistributedOptimizer([A, B], lr=0.1, weight_decay=0.01, max_grad_norm=1.0, param_alignment=1,
+    opt = DistributedOptimizer([A, B], process_group=group, lr=0.1, weight_decay=0.01, max_grad_norm=1.0,
+                               param_alignment=1,
                                bucket_alignment=16)
     norms = []
     for k in range(1, steps + 1):
@@ -182,7 +183,7 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
 
 
 def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
-                checkpoint_at: int = 3, bucket_size: int | None = 200, low_precision: bool = False,
+                group=None, checkpoint_at: int = 3, bucket_size: int | None = 200, low_precision: bool = False,
                 overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
     """Train :func:`zero1_problem` with :class:`~optbook.distributed.DistributedOptimizer` (AdamW, lr 0.01).
 
@@ -214,7 +215,7 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
             for p, saved in zip(params, resume["params"]):
                 p.copy_(saved)
         start = checkpoint_at
-    opt = DistributedOptimizer(groups, lr=0.01, bucket_size=bucket_size, loss_scaler=scaler)
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=bucket_size, loss_scaler=scaler)
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
     checkpoint, applied, scales = None, [], []
@@ -251,7 +252,7 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
-def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0) -> dict:
+def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0, group=None) -> dict:
     """Bad input on one rank or on all: every rank raises, nothing is written, the ranks stay in step.
 
     After two good steps: (1) the last rank passes a sparse gradient, (2) rank 0 alone sets ``betas`` to
@@ -267,7 +268,7 @@ def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0) -> dict:
     from .zero1 import DistributedOptimizer
 
     params, groups = zero1_problem(seed)
-    opt = DistributedOptimizer(groups, lr=0.01)
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01)
     for t in range(2):
         _set_grads(params, zero1_grads(params, t, rank, world_size, seed))
         opt.step()
@@ -335,38 +336,55 @@ def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_ste
     return rank
 
 
-def zero1_suite(rank: int, world_size: int, *, resume: dict | None = None) -> dict:
-    """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch (each launch costs seconds of imports).
+#: The process groups of :func:`zero1_suite` on 4 processes: world size -> global ranks.
+SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
 
-    Runs :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow at step 2 (each
-    from
-    step 0, and from ``resume[kind]`` when given: a checkpoint taken at another world size),
-    :func:`zero1_padding_clip` and :func:`zero1_bad_input`.
+
+def zero1_suite(rank: int, world_size: int) -> dict:
+    """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch of 4 processes (a launch costs seconds of
+    imports per process): the checks run on 2, 3 and 4 of them, one process group each.
+
+    The groups are :data:`SUITE_GROUPS` (2 ranks: global 2, 3; 3 ranks: global 1, 2, 3; 4: all), so a
+    group's rank 0 is not global rank 0 (the broadcast and gather of DistributedOptimizer name global
+    ranks). On each group: :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow
+    at step 2, from step 0 and (3 and 4 ranks) resumed from the checkpoint of the group before;
+    :func:`zero1_padding_clip`; :func:`zero1_bad_input`; a scheduler and step hooks.
 
     Returns:
-        ``{"float64": ..., "bfloat16": ..., "float64_resumed": ... or None, "bfloat16_resumed": ... or None,
-        "padding_clip": ..., "bad_input": ...}`` (the dicts those functions return).
+        ``{size: report or None}`` for sizes 2, 3, 4 (``None`` where this process is not in the group); a
+        report is ``{"float64", "bfloat16", "float64_resumed", "bfloat16_resumed", "padding_clip",
+        "bad_input", "scheduler"}`` (the dicts those functions return; ``*_resumed`` is ``None`` at 2 ranks).
     """
-    resume = resume or {}
-    out = {"float64": zero1_train(rank, world_size),
-           "bfloat16": zero1_train(rank, world_size, low_precision=True, overflow_at=(2,))}
-    out["float64_resumed"] = (zero1_train(rank, world_size, resume=resume["float64"])
-                              if "float64" in resume else None)
-    out["bfloat16_resumed"] = (zero1_train(rank, world_size, low_precision=True, overflow_at=(2,),
-                                           resume=resume["bfloat16"]) if "bfloat16" in resume else None)
-    out["padding_clip"] = zero1_padding_clip(rank, world_size)
-    out["bad_input"] = zero1_bad_input(rank, world_size)
-    out["scheduler"] = _zero1_scheduler_and_hooks()
+    if world_size != 4:
+        raise ValueError(f"Invalid world_size: zero1_suite runs on 4 processes, got {world_size}")
+    groups = {size: dist.new_group(ranks) for size, ranks in SUITE_GROUPS.items()}  # every rank, same order
+    out, resume = {}, None
+    for size, ranks in SUITE_GROUPS.items():
+        report = None
+        if rank in ranks:
+            g, r = groups[size], ranks.index(rank)
+            report = {"float64": zero1_train(r, size, group=g),
+                      "bfloat16": zero1_train(r, size, low_precision=True, overflow_at=(2,), group=g)}
+            for kind, low in (("float64", False), ("bfloat16", True)):
+                report[kind + "_resumed"] = None if resume is None else zero1_train(
+                    r, size, low_precision=low, overflow_at=(2,), resume=resume[kind], group=g)
+            report["padding_clip"] = zero1_padding_clip(r, size, group=g)
+            report["bad_input"] = zero1_bad_input(r, size, group=g)
+            report["scheduler"] = _zero1_scheduler_and_hooks(group=g)
+        # the checkpoint was consolidated on the group's last rank: every process gets it for the next group
+        shared = [None if report is None else {k: report[k]["checkpoint"] for k in ("float64", "bfloat16")}]
+        dist.broadcast_object_list(shared, src=ranks[-1])
+        resume, out[size] = shared[0], report
     return out
 
 
-def _zero1_scheduler_and_hooks() -> dict:
+def _zero1_scheduler_and_hooks(group=None) -> dict:
     """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
     the hook calls (each hook must run once per step)."""
     from .zero1 import DistributedOptimizer
 
     p = torch.ones(3, dtype=torch.float64, requires_grad=True)
-    opt = DistributedOptimizer([p], lr=1.0, weight_decay=0.0)
+    opt = DistributedOptimizer([p], process_group=group, lr=1.0, weight_decay=0.0)
     calls = []
     opt.register_step_pre_hook(lambda *args: calls.append("pre"))
     opt.register_step_post_hook(lambda *args: calls.append("post"))
