@@ -19,7 +19,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup book test nbval portability notebooks bench sweep clean
+.PHONY: setup book test site-test nbval portability notebooks bench sweep clean
 
 setup: $(VENV)/.installed
 
@@ -32,14 +32,21 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 # Builds the HTML from the notebooks' stored outputs (fast; no kernel difference can fail it). Any Sphinx
 # warning fails the build. EXECUTE=force re-executes every notebook first (a cell error fails the build).
+# PYTHONPATH: _config.yml's local extension path (_ext) is relative to the config file, here the copy.
 book: setup
 	mkdir -p _build
 	sed 's/^\(  execute_notebooks:\).*/\1 "$(EXECUTE)"/' _config.yml > _build/_config.yml
-	$(RUN) $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
+	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
+	  $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
 	$(RUN) $(PYTEST)
+
+# The built site (run `make book` first) in headless Chromium: Debian's chromium + chromium-driver, never
+# downloaded (tests/test_site.py). Here a missing site or browser fails instead of skipping.
+site-test: setup
+	OPTBOOK_REQUIRE_SITE=1 $(RUN) $(BIN)/python -m pytest tests/test_site.py
 
 # nbval alone, under one CPU kernel configuration: make nbval KERNELS=native|avx2|generic
 nbval: setup

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from optbook import newton_schulz, ns_schedule, polar_factor
+from optbook.newton_schulz import POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY
 
-SCHEDULES = [("simple", 5), ("quintic", 5), ("deepseek_v4", 10), ("cubic", 12)]
+SCHEDULES = [("simple", 5), ("quintic", 5), ("deepseek_v4", 10), ("cubic", 12), ("polar_express", 5)]
 
 
 def phi_composed(s, schedule):
@@ -163,3 +164,48 @@ def test_low_precision_cpu_path_matches_the_plain_iteration(dtype, shape):
     assert (ours - plain).abs().max() < 0.05
     reference = newton_schulz(G, dtype=torch.float64).float()
     assert (ours - reference).abs().max() <= 1.5 * (plain - reference).abs().max() + 1e-3
+
+
+def test_polar_express_holds_the_published_triples():
+    # Amsel et al. 2025 (arXiv:2505.16932) as published in modded-nanogpt / microsoft/dion polar_express
+    assert POLAR_EXPRESS_PUBLISHED[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    assert POLAR_EXPRESS_PUBLISHED[-1] == (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)
+    assert POLAR_EXPRESS_SAFETY == 1.02
+    schedule = ns_schedule("polar_express", 5)
+    assert schedule[1:] == list(POLAR_EXPRESS_PUBLISHED[1:])
+    a, b, c = POLAR_EXPRESS_PUBLISHED[0]  # the first polynomial absorbs the 1/1.02 input normalisation
+    assert schedule[0] == pytest.approx((a / 1.02, b / 1.02 ** 3, c / 1.02 ** 5), rel=1e-15)
+
+
+@pytest.mark.parametrize("m, n", [(12, 20), (20, 12)])
+def test_polar_express_equals_the_published_iteration(m, n):
+    # the reference code: X = G / (1.02 ||G||_F), then X <- a X + (b A + c A^2) X with the five published
+    # triples, on the wide orientation. float64: only the order of rounding differs (~1e-15 per step).
+    G = torch.randn(m, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = G.T if m > n else G
+    X = X / (POLAR_EXPRESS_SAFETY * X.norm())
+    for a, b, c in POLAR_EXPRESS_PUBLISHED:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    reference = X.T if m > n else X
+    torch.testing.assert_close(newton_schulz(G, coefficients="polar_express", dtype=torch.float64), reference,
+                               rtol=0, atol=1e-12)
+
+
+def test_polar_express_five_steps_cover_a_thousandfold_range_of_singular_values():
+    # scalar map of the 5-step schedule on s in [1e-3, 1] (after G / ||G||_F): about [0.847, 1.141];
+    # the quintic schedule leaves s = 1e-3 at 0.475
+    s = torch.logspace(-3, 0, 20001, dtype=torch.float64)
+    out = phi_composed(s, ns_schedule("polar_express", 5))
+    assert 0.84 < float(out.min()) and float(out.max()) < 1.15, (float(out.min()), float(out.max()))
+    assert float(phi_composed(s, ns_schedule("quintic", 5)).min()) < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_polar_express_in_low_precision_stays_in_its_band(dtype):
+    # singular values spread over [1e-2, 1] x const: the float64 band is about [0.859, 1.141]; bf16
+    # rounding (~4e-3 relative per product, 5 steps) may widen it by a few hundredths
+    s = torch.logspace(-2, 0, 32, dtype=torch.float64)
+    U, V, G = random_svd(32, 48, s, seed=2)
+    sv = torch.linalg.svdvals(newton_schulz(G.float(), coefficients="polar_express", dtype=dtype).double())
+    assert float(sv.min()) > 0.83 and float(sv.max()) < 1.17, sv  # seen: [0.859, 1.142]

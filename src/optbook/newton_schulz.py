@@ -1,8 +1,10 @@
 """Newton–Schulz orthogonalisation and the exact polar factor. Explained in chapter 5.
 
 Source: Keller Jordan's Muon (2024) for the "simple" coefficients, modded-nanogpt / Megatron-LM for
-the 5-step "quintic" schedule, the DeepSeek-V4 report for the 8 + 2 hybrid schedule; Higham (2008),
-*Functions of Matrices*, ch. 8 (the polar decomposition), for the Newton–Schulz iteration itself.
+the 5-step "quintic" schedule, the DeepSeek-V4 report for the 8 + 2 hybrid schedule, Amsel, Persson,
+Musco & Gower (2025), *The Polar Express* (arXiv:2505.16932), for the "polar_express" schedule as
+published in modded-nanogpt's and microsoft/dion's ``polar_express``; Higham (2008), *Functions of
+Matrices*, ch. 8 (the polar decomposition), for the Newton–Schulz iteration itself.
 
 For ``X = U S V^T`` the step ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` equals
 ``U phi(S) V^T`` with the odd polynomial ``phi(s) = a s + b s^3 + c s^5``: every singular value is
@@ -26,17 +28,46 @@ QUINTIC = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.591
            (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
 DEEPSEEK_V4 = (SIMPLE,) * 8 + ((2.0, -1.5, 0.5),) * 2
 
+#: Polar Express (Amsel et al. 2025, arXiv:2505.16932): the five per-step minimax triples as published
+#: in modded-nanogpt's and microsoft/dion's ``polar_express`` ("computed for num_iters=5,
+#: safety_factor=2e-2"). The safety factor 1.02 is baked into all but the last polynomial (each is
+#: ``p(x / 1.02)``: headroom for singular values that bf16 rounding pushes a little above the range a
+#: polynomial was fitted on), and that code also normalises by ``1.02 ||G||_F`` instead of ``||G||_F``.
+POLAR_EXPRESS_PUBLISHED = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                           (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                           (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                           (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                           (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+#: The input normalisation of the published code: ``X = G / (POLAR_EXPRESS_SAFETY * ||G||_F)``.
+POLAR_EXPRESS_SAFETY = 1.02
+#: The schedule ``newton_schulz`` runs after its own ``G / ||G||_F``: the first published polynomial
+#: with the normalisation's 1/1.02 folded in, ``p_1(x / 1.02)`` = (a/1.02, b/1.02^3, c/1.02^5), then
+#: the other four verbatim. The composition equals the published code's (normalise by 1.02 ||G||_F,
+#: then the five triples) in exact arithmetic.
+POLAR_EXPRESS = ((POLAR_EXPRESS_PUBLISHED[0][0] / POLAR_EXPRESS_SAFETY,
+                  POLAR_EXPRESS_PUBLISHED[0][1] / POLAR_EXPRESS_SAFETY ** 3,
+                  POLAR_EXPRESS_PUBLISHED[0][2] / POLAR_EXPRESS_SAFETY ** 5),) + POLAR_EXPRESS_PUBLISHED[1:]
+
 #: The named coefficient schedules (``"deepseek_v4"`` is a fixed 10-step schedule).
-COEFFICIENTS = {"simple": (SIMPLE,), "cubic": (CUBIC,), "quintic": QUINTIC, "deepseek_v4": DEEPSEEK_V4}
+COEFFICIENTS = {"simple": (SIMPLE,), "cubic": (CUBIC,), "quintic": QUINTIC, "deepseek_v4": DEEPSEEK_V4,
+                "polar_express": POLAR_EXPRESS}
 
 
 def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps: int = 5
                 ) -> list[tuple[float, float, float]]:
     """The list of ``(a, b, c)`` applied at each of ``steps`` iterations.
 
-    ``"simple"`` and ``"cubic"`` repeat one triple; ``"quintic"`` and an explicit sequence of
-    triples are applied in order, and a schedule run for more steps than it has triples repeats its
-    *last* triple; ``"deepseek_v4"`` is 8 simple steps and 2 of ``(2, -1.5, 0.5)`` and needs ``steps=10``.
+    ``"simple"`` and ``"cubic"`` repeat one triple; ``"quintic"``, ``"polar_express"`` and an explicit
+    sequence of triples are applied in order, and a schedule run for more steps than it has triples
+    repeats its *last* triple; ``"deepseek_v4"`` is 8 simple steps and 2 of ``(2, -1.5, 0.5)`` and needs
+    ``steps=10``.
+
+    ``"polar_express"`` (Amsel et al. 2025) is a different minimax polynomial per step, a 5-step
+    schedule; its first triple carries the published code's ``1/1.02`` input normalisation (see
+    :data:`POLAR_EXPRESS`). Measured in float64 (``tests/test_newton_schulz.py``): inputs with
+    singular values in ``[1e-3, 1]`` (after ``G / ||G||_F``) end in about [0.847, 1.141]
+    (``"quintic"``: [0.475, 1.145]). Its last triple's fixed point is about 1.035, not 1, so extra
+    steps tighten the band around 1.035 (12 steps: about [1.025, 1.048] for inputs down to 1e-2).
 
     Pitfall: cycling back to the first triple (``schedule[i % len(schedule)]``, what Megatron-LM's
     ``newton_schulz`` does for ``steps`` beyond the quintic schedule's five) restarts the aggressive
@@ -89,8 +120,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     Args:
         G: ``(..., m, n)`` floating tensor; leading dimensions are a batch (one matrix each).
         steps: number of iterations (``>= 1``).
-        coefficients: ``"simple"``, ``"quintic"``, ``"deepseek_v4"``, ``"cubic"`` or a sequence of
-            ``(a, b, c)`` (see :func:`ns_schedule`).
+        coefficients: ``"simple"``, ``"quintic"``, ``"deepseek_v4"``, ``"cubic"``, ``"polar_express"``
+            or a sequence of ``(a, b, c)`` (see :func:`ns_schedule`).
         eps: floor of the normaliser: ``X = G / max(||G||_F, eps)`` (per matrix), so the result is
             scale invariant for ``||G||_F >= eps`` and a zero matrix maps to zeros, never NaN.
         dtype: dtype of the iteration (bf16 by default, as in Muon; float64 for exactness demos).

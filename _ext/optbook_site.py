@@ -1,0 +1,37 @@
+"""A fix to the HTML that Jupyter Book 1's stack emits, so that a page logs no error in a browser
+(tests/test_site.py opens every page in headless Chromium and fails on any severe console message).
+
+Each inline ``<script>`` added after the HTML builder starts (sphinx-thebe's ``const THEBE_JS_URL = ...``,
+sphinx-togglebutton's selector) is written twice, and the second ``const`` raises "Identifier
+'THEBE_JS_URL' has already been declared". Sphinx 7.4 keeps such a script once with ``filename=None``
+(``Sphinx.add_js_file``) and again with ``filename=''`` (``StandaloneHTMLBuilder.prepare_writing``
+re-reading the registry), and the two do not compare equal; Sphinx fixed it after 7.4
+(sphinx-doc/sphinx#13402), but jupyter-book 1 keeps Sphinx < 8. Here each page's script list drops the
+second copy.
+"""
+
+
+def _key(js):
+    return (
+        getattr(js, "filename", js) or "",
+        getattr(js, "priority", None),
+        tuple(sorted((getattr(js, "attributes", None) or {}).items())),
+    )
+
+
+def dedupe_scripts(app, pagename, templatename, context, doctree):
+    scripts = context.get("script_files")
+    if not scripts:
+        return
+    seen, unique = set(), []
+    for js in scripts:
+        key = _key(js)
+        if key not in seen:
+            seen.add(key)
+            unique.append(js)
+    scripts[:] = unique  # the builder's own list: it restores its copy before the next page
+
+
+def setup(app):
+    app.connect("html-page-context", dedupe_scripts)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

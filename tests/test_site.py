@@ -1,0 +1,298 @@
+"""The built site in a real browser: every page of ``_toc.yml`` opened in headless Chromium.
+
+Builds nothing: it serves ``_build/html`` (``make book``) on localhost from a thread and opens each page in
+Debian's ``chromium`` through Selenium and Debian's ``chromedriver`` (nothing is downloaded; the browser
+cannot resolve any host but localhost, so the pages must work offline). Per page: no severe console
+message (JavaScript errors, failed loads), MathJax has typeset every formula without an error node, every
+``<img>`` loaded with a non-zero natural size, and the repository, launch (Colab, Binder) and download
+buttons are present with the URL set in ``_config.yml``. Also: the search page finds "Newton", and every
+internal link and anchor of every built page resolves (this one needs no browser). Screenshots of two pages
+go to ``_build/test-artifacts/``.
+
+Skips, saying why, when the site is not built or chromium/chromedriver/selenium is missing, so that
+``make test`` passes on a laptop; ``make site-test`` (CI, after ``make book``) sets
+``OPTBOOK_REQUIRE_SITE=1``, which turns each of those skips into a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import tempfile
+import threading
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path(os.environ.get("OPTBOOK_SITE", ROOT / "_build" / "html"))
+ARTIFACTS = ROOT / "_build" / "test-artifacts"
+REQUIRE = os.environ.get("OPTBOOK_REQUIRE_SITE", "") not in ("", "0")
+CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("CHROMEDRIVER", shutil.which("chromedriver") or "/usr/bin/chromedriver")
+SCREENSHOTS = {"book/00_preface": "preface.png", "book/06_muon": "06_muon.png"}
+PAGE_TIMEOUT = 30  # seconds for a page's load, MathJax and images
+
+
+def _skip(reason: str):
+    if REQUIRE:
+        pytest.fail(f"OPTBOOK_REQUIRE_SITE is set but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _config():
+    return yaml.safe_load((ROOT / "_config.yml").read_text())
+
+
+def _toc_pages() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    return [toc["root"]] + [c["file"] for part in toc.get("parts", []) for c in part["chapters"]]
+
+
+PAGES = _toc_pages()
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    if not (SITE / "index.html").is_file():
+        _skip(f"no built site at {SITE} (run `make book` first)")
+    return SITE
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    """Base URL of ``site`` served by http.server on a free localhost port, from a daemon thread."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not Path(path).is_file():
+            _skip(f"{path} not found (Debian package {package}: apt-get install chromium chromium-driver)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _skip("selenium is not installed (it is in requirements.txt)")
+
+    profile = tempfile.mkdtemp(prefix="optbook-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--no-proxy-server",
+        # No network: every host but the local server fails to resolve, so a page that needs the
+        # internet (a CDN script, a web font) shows up as a failed load in the console.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+        "--window-size=1280,900",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # An explicit driver path: Selenium Manager never looks for (or downloads) a driver or a browser.
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(PAGE_TIMEOUT)
+    driver.set_script_timeout(PAGE_TIMEOUT)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+# Waits for MathJax 3 (the vendored copy from sphinx-mathjax-offline) to finish typesetting, then reports
+# every math node Sphinx wrote, whether MathJax rendered it, and any error nodes.
+MATHJAX_JS = """
+const done = arguments[arguments.length - 1];
+const report = (state) => {
+  const nodes = Array.from(document.querySelectorAll('.math'));
+  done({
+    state: state,
+    math: nodes.length,
+    untypeset: nodes.filter(n => !n.querySelector('mjx-container')).map(n => n.textContent.slice(0, 80)),
+    containers: document.querySelectorAll('mjx-container').length,
+    errors: Array.from(document.querySelectorAll('mjx-merror, [data-mjx-error]'))
+      .map(n => (n.getAttribute('data-mjx-error') || n.textContent).slice(0, 120)),
+  });
+};
+const wait = (tries) => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    MathJax.startup.promise.then(() => report('typeset'), (e) => report('error: ' + e));
+  } else if (tries > 0 && document.querySelector('.math')) {
+    setTimeout(() => wait(tries - 1), 100);  // the script is deferred: give it time to define MathJax
+  } else {
+    report(window.MathJax ? 'no startup' : 'no MathJax');
+  }
+};
+wait(100);
+"""
+
+# Loads every image (lazy ones included) and reports those that failed or have no size.
+IMAGES_JS = """
+const done = arguments[arguments.length - 1];
+const imgs = Array.from(document.images);
+imgs.forEach(img => { img.loading = 'eager'; });
+const settled = imgs.map(img => img.complete ? Promise.resolve() :
+  new Promise(r => { img.addEventListener('load', r); img.addEventListener('error', r); }));
+Promise.all(settled).then(() => done({
+  count: imgs.length,
+  bad: imgs.filter(i => !(i.complete && i.naturalWidth > 0 && i.naturalHeight > 0))
+           .map(i => i.getAttribute('src')),
+}));
+"""
+
+
+def _severe(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _open(driver, url: str):
+    _severe(driver)  # drop what earlier pages logged
+    driver.get(url)
+    start = time.monotonic()
+    while driver.execute_script("return document.readyState") != "complete":
+        assert time.monotonic() - start < PAGE_TIMEOUT, f"{url} did not finish loading"
+        time.sleep(0.05)
+
+
+def _hrefs(driver, selector: str) -> list[str]:
+    script = "return Array.from(document.querySelectorAll(arguments[0])).map(a => a.getAttribute('href'))"
+    return driver.execute_script(script, selector)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_in_browser(page, browser, server):
+    url = urljoin(server, f"{page}.html")
+    _open(browser, url)
+
+    math = browser.execute_async_script(MATHJAX_JS)
+    images = browser.execute_async_script(IMAGES_JS)
+
+    if page in SCREENSHOTS:  # artefacts for a person to look at
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        if page != PAGES[0]:  # a chapter: show a figure and the math around it, not only the title
+            browser.execute_script("const f = document.querySelector('figure, .cell_output img');"
+                                   "if (f) f.scrollIntoView({block: 'center'});")
+            time.sleep(0.2)
+        assert browser.save_screenshot(str(ARTIFACTS / SCREENSHOTS[page]))
+
+    problems = []  # every check runs, so one failure does not hide another
+    # Console last: image loads and MathJax have run by now.
+    problems += [f"console: {m}" for m in _severe(browser)]
+
+    problems += [f"MathJax error node: {e}" for e in math["errors"]]
+    problems += [f"math left as TeX ({math['state']}): {t}" for t in math["untypeset"]]
+    if math["math"] and not (math["state"] == "typeset" and math["containers"] >= math["math"]):
+        problems.append(f"MathJax did not typeset the page: {math}")
+
+    problems += [f"image not loaded or of size 0: {src}" for src in images["bad"]]
+
+    repo = _config()["repository"]["url"]
+    branch = _config()["repository"].get("branch", "main")
+    owner_name = urlsplit(repo).path.strip("/")
+    if repo not in _hrefs(browser, "a.btn-source-repository-button"):
+        problems.append(f"no repository button to {repo}")
+    downloads = _hrefs(browser, ".dropdown-download-buttons a.btn-download-source-button")
+    if (ROOT / page).with_suffix(".ipynb").exists():  # launch buttons are for notebooks only
+        if downloads != [f"{'../' * page.count('/')}_sources/{page}.ipynb"]:
+            problems.append(f"download button: {downloads}")
+        launch = _hrefs(browser, ".dropdown-launch-buttons a")
+        colab = f"https://colab.research.google.com/github/{owner_name}/blob/{branch}/{page}.ipynb"
+        if colab not in launch:
+            problems.append(f"no Colab button to {colab}: {launch}")
+        binder = [h for h in launch if h.startswith(f"https://mybinder.org/v2/gh/{owner_name}/{branch}?")]
+        if not (len(binder) == 1 and binder[0].endswith(f"/{page}.ipynb")):
+            problems.append(f"no Binder button to {owner_name}@{branch} {page}.ipynb: {launch}")
+    elif len(downloads) != 1:
+        problems.append(f"download button: {downloads}")
+    assert problems == [], f"{page}:\n" + "\n".join(problems)
+
+
+def test_search_finds_newton(browser, server):
+    _open(browser, urljoin(server, "search.html?q=Newton"))
+    start = time.monotonic()
+    hits: list[str] = []
+    while time.monotonic() - start < PAGE_TIMEOUT:
+        summary = browser.execute_script(
+            "const s = document.querySelector('#search-results .search-summary, #search-results p');"
+            "return s ? s.textContent : ''"
+        )
+        hits = _hrefs(browser, "#search-results ul.search li a")
+        if hits and summary.strip():
+            break
+        time.sleep(0.1)
+    assert any("05_newton_schulz.html" in h for h in hits), f"search for Newton found {hits}"
+    assert _severe(browser) == []
+
+
+class _Links(HTMLParser):
+    """Collects ids/names (anchors) and the href/src of links in one HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchors: set[str] = set()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for key in ("id", "name"):
+            if attrs.get(key):
+                self.anchors.add(attrs[key])
+        if tag in ("a", "link") and attrs.get("href"):
+            self.links.append(attrs["href"])
+        if tag in ("img", "script") and attrs.get("src"):
+            self.links.append(attrs["src"])
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path) -> _Links:
+    parser = _Links()
+    parser.feed(path.read_text(encoding="utf-8", errors="replace"))
+    return parser
+
+
+def test_internal_links_resolve(site):
+    """Every local href/src of every built page names an existing file, and every #anchor an id in it."""
+    pages = sorted(p for p in site.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+    assert len(pages) >= len(PAGES)
+    broken, checked = [], 0
+    for page in pages:
+        for link in _parse(page).links:
+            parts = urlsplit(link)
+            if parts.scheme or parts.netloc or link.startswith(("mailto:", "javascript:", "data:")):
+                continue  # external: not checked (no network here)
+            target = page if not parts.path else (page.parent / unquote(parts.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            checked += 1
+            where = f"{page.relative_to(site)}: {link}"
+            if not target.is_file() or site.resolve() not in target.resolve().parents:
+                broken.append(f"{where} (no such file)")
+            elif parts.fragment and target.suffix == ".html":
+                if unquote(parts.fragment) not in _parse(target).anchors:
+                    broken.append(f"{where} (no anchor #{parts.fragment})")
+    assert checked > 100, f"only {checked} internal links found: is {site} a full build?"
+    assert broken == [], "\n".join(broken)
