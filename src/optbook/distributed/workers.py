@@ -183,8 +183,8 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
 
 
 def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
-                group=None, checkpoint_at: int = 3, bucket_size: int | None = 200, low_precision: bool = False,
-                overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
+                group=None, checkpoint_at: int = 3, bucket_size: int | None = 200,
+                low_precision: bool = False, overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
     """Train :func:`zero1_problem` with :class:`~optbook.distributed.DistributedOptimizer` (AdamW, lr 0.01).
 
     float64 (``low_precision=False``): each rank gets its own :func:`zero1_grads`. bfloat16 with a
@@ -215,7 +215,8 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
             for p, saved in zip(params, resume["params"]):
                 p.copy_(saved)
         start = checkpoint_at
-    opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=bucket_size, loss_scaler=scaler)
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=bucket_size,
+                               loss_scaler=scaler)
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
     checkpoint, applied, scales = None, [], []
@@ -421,34 +422,50 @@ def _state_bytes(optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def zero1_chapter(rank: int, world_size: int, *, steps: int = 20, seed: int = 0) -> dict:
-    """Everything chapter 13 runs on ``world_size`` gloo processes, in one launch.
+def zero1_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 20,
+                  seed: int = 0) -> dict:
+    """Everything chapter 13 runs, in one launch: the checks below on the first ``d`` processes (a process
+    group of ranks ``0 .. d - 1``) for each ``d`` in ``sizes`` (each at most ``world_size``).
 
-    1. ``"dyadic"``: the final parameters of :func:`zero1_train` (float64; its single-process twin is
-       exactly computable).
-    2. ``"mlp"``: :func:`chapter_mlp` in float64 trained for ``steps`` steps on rank ``rank``'s equal slice
-       of :func:`chapter_batch` (mean squared error), DistributedOptimizer(AdamW, lr 1e-2, weight decay 0.1,
-       max_grad_norm 1.0); ``"norms"``: the pre-clip norm of each step.
-    3. ``"ledger"``: ``memory_bytes()`` after one step of the bfloat16 model (float32 masters, dynamic loss
-       scaling) with default alignment.
-    4. ``"zero_state"`` / ``"ours_state"``: optimizer-state bytes on this rank after one step of the float32
-       model, for ``torch.distributed.optim.ZeroRedundancyOptimizer(torch.optim.AdamW)`` (whole parameters
-       per rank; gradients all-reduced by hand, mean) and for DistributedOptimizer(torch.optim.AdamW);
-       ``"zero_vs_ours"``: the largest difference between their parameters after that step.
+    Returns:
+        ``{d: report, or None on a process outside that group}``, a report being:
+
+        1. ``"dyadic"``: the final parameters of :func:`zero1_train` (float64; its single-process twin
+           :func:`zero1_reference` is exactly computable).
+        2. ``"mlp"``: :func:`chapter_mlp` in float64 trained for ``steps`` steps on this rank's equal slice
+           of :func:`chapter_batch` (mean squared error), DistributedOptimizer(AdamW, lr 1e-2, weight decay
+           0.1, max_grad_norm 1.0); ``"norms"``: the pre-clip norm of each step.
+        3. ``"ledger"``: ``memory_bytes()`` after one step of the bfloat16 model (float32 masters, dynamic
+           loss scaling) with default alignment; ``"applied16"``: whether that step was applied.
+        4. ``"zero_state"`` / ``"ours_state"``: optimizer-state bytes on this rank after one step of the
+           float32 model, for ``torch.distributed.optim.ZeroRedundancyOptimizer(torch.optim.AdamW)`` (whole
+           parameters per rank; gradients all-reduced by hand, mean) and for
+           DistributedOptimizer(torch.optim.AdamW); ``"zero_vs_ours"``: the largest difference between
+           their parameters after that step; ``"numel"``: the model's parameter count.
     """
+    torch.set_num_threads(1)
+    groups = {d: dist.group.WORLD if d == world_size else dist.new_group(list(range(d))) for d in sizes}
+    out = {}
+    for d in sizes:
+        out[d] = _zero1_chapter_checks(rank, d, groups[d], steps, seed) if rank < d else None
+        dist.barrier()
+    return out
+
+
+def _zero1_chapter_checks(rank: int, world_size: int, group, steps: int, seed: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from ..precision import DynamicLossScaler
     from .zero1 import DistributedOptimizer
 
-    torch.set_num_threads(1)
-    out = {"dyadic": zero1_train(rank, world_size)["params"]}
+    out = {"dyadic": zero1_train(rank, world_size, group=group)["params"]}
     X, Y = chapter_batch(seed)
     n = X.shape[0] // world_size
     mine = slice(rank * n, (rank + 1) * n)
 
     model = chapter_mlp(seed)
-    opt = DistributedOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    opt = DistributedOptimizer(model.parameters(), process_group=group, lr=1e-2, weight_decay=0.1,
+                               max_grad_norm=1.0)
     norms = []
     for _ in range(steps):
         torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()
@@ -458,19 +475,21 @@ def zero1_chapter(rank: int, world_size: int, *, steps: int = 20, seed: int = 0)
     out["mlp"], out["norms"] = [p.detach() for p in model.parameters()], norms
 
     model16 = chapter_mlp(seed, torch.bfloat16)
-    opt16 = DistributedOptimizer(model16.parameters(), lr=1e-3, loss_scaler=DynamicLossScaler(2.0**8))
+    opt16 = DistributedOptimizer(model16.parameters(), process_group=group, lr=1e-3,
+                                 loss_scaler=DynamicLossScaler(2.0**8))
     loss = torch.nn.functional.mse_loss(model16(X[mine].bfloat16()).float(), Y[mine].float())
     opt16.scale_loss(loss).backward()
     out["applied16"] = opt16.step()
     out["ledger"] = opt16.memory_bytes()
 
     ours_model, zero_model = chapter_mlp(seed, torch.float32), chapter_mlp(seed, torch.float32)
-    ours = DistributedOptimizer(ours_model.parameters(), torch.optim.AdamW, lr=1e-3)
-    zero = ZeroRedundancyOptimizer(zero_model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    ours = DistributedOptimizer(ours_model.parameters(), torch.optim.AdamW, group, lr=1e-3)
+    zero = ZeroRedundancyOptimizer(zero_model.parameters(), optimizer_class=torch.optim.AdamW,
+                                   process_group=group, lr=1e-3)
     for m in (ours_model, zero_model):
         torch.nn.functional.mse_loss(m(X[mine].float()), Y[mine].float()).backward()
     for p in zero_model.parameters():  # what DistributedDataParallel would do
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=group)
         p.grad.div_(world_size)
     ours.step()
     zero.step()
