@@ -196,6 +196,8 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
         resume: ``None`` to start at step 0, or a checkpoint returned by an earlier call (any world size):
             the parameters and the consolidated optimizer state at step ``checkpoint_at``, from which this
             run continues.
+        group: the process group (``None``: all processes); ``rank`` and ``world_size`` are this process's
+            rank in it and its size (as for :func:`zero1_padding_clip` and :func:`zero1_bad_input`).
 
     Returns:
         ``{"params": final parameters, "state_dict": consolidated at the end (rank 0, else None),
