@@ -67,6 +67,8 @@ def test_overhead_is_about_four_times_dp_width_over_batch_tokens():
     (lambda: ns_overhead(8, 2, 10, vocab_size=-1), "vocab_size"),
     (lambda: run_benchmark([(4, 4)], ["float8"]), "dtypes"),
     (lambda: run_benchmark([(4, 4)], ["float32"], 0), "batch"),
+    (lambda: run_benchmark([(4, 4)], ["float32"], paths=["triangular"]), "paths"),
+    (lambda: run_benchmark([(4, 4)], ["float32"], paths=[]), "paths"),
     (lambda: orthogonality_error(torch.ones(3)), "O"),
 ])
 def test_bad_arguments_raise_naming_the_argument(call, word):
@@ -124,6 +126,7 @@ def test_cli_smoke_run_writes_its_json_report(tmp_path, monkeypatch, capsys):
     (["--shapes", "16by32"], "--shapes"), (["--dtypes", "float8"], "--dtypes"),
     (["--device", "tpu9"], "--device"),
     (["--batch", "0"], "--batch"), (["--coefficients", "sextic"], "coefficients"),
+    (["--paths", "plain,triangular"], "--paths"),
 ])
 def test_cli_refuses_bad_options_naming_the_option(argv, word, capsys):
     with pytest.raises(SystemExit):

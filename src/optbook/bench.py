@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import gram_backend, gram_xxt
 from .newton_schulz import newton_schulz, ns_schedule
 
 __all__ = ["NSOverhead", "main", "ns_flops", "ns_overhead", "orthogonality_error", "run_benchmark",
@@ -162,6 +163,8 @@ def ns_overhead(width: int, depth: int, batch_tokens: int, dp: int = 1, *, shard
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float64": torch.float64}
 _CPU_SHAPES = "64x64,64x256,128x512"
+_PATHS = ("plain", "batched", "symmetric")
+_SYMMETRIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _GPU_SHAPES = "1024x1024,1024x4096,4096x4096,4096x16384"
 
 
@@ -181,6 +184,14 @@ def _parse_dtypes(text: str) -> list[str]:
     bad = [t for t in names if t not in _DTYPES]
     if bad:
         raise argparse.ArgumentTypeError(f"Invalid --dtypes: {bad} not in {sorted(_DTYPES)}")
+    return names
+
+
+def _parse_paths(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in _PATHS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"Invalid --paths: {bad} not in {list(_PATHS)}")
     return names
 
 
@@ -232,7 +243,7 @@ def orthogonality_error(O: torch.Tensor) -> float:
 
 def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batch: int = 4, steps: int = 5,
                   coefficients="simple", repeat: int = 3, device: str | torch.device = "cpu", seed: int = 0,
-                  progress=None) -> list[dict]:
+                  progress=None, paths: Sequence[str] = ("plain", "batched")) -> list[dict]:
     """Time :func:`optbook.newton_schulz` per shape, dtype and path; one dict per measurement.
 
     Paths: ``"plain"`` calls ``newton_schulz`` once per matrix of a batch of ``batch`` same-shape
@@ -240,6 +251,11 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     ``"matmul"`` is the reference rate of the same run, in the same dtype on the same device: the Gram
     product ``W W^T`` of the wide orientation ``W`` (``(batch, k, l)``, ``k = min(m, n)``,
     ``l = max(m, n)``) in one ``torch.bmm``, ``2 k^2 l`` FLOPs per matrix (a ``k x k x l`` matmul).
+    ``"symmetric"`` (in ``paths``) adds two rows: ``"gram_symmetric"``, the same Gram product by
+    :func:`optbook.kernels.gram_xxt` (tiles on and below the diagonal only; its ``fraction_of_matmul`` is
+    the Gram step's speed-up over ``bmm``, as it is credited the full ``2 k^2 l``), and ``"symmetric"``,
+    the batched call with ``gram="symmetric"``. Both only for float16/bfloat16/float32; on a CPU they time
+    torch's products unless ``TRITON_INTERPRET=1`` (:func:`optbook.kernels.gram_backend`).
 
     Args:
         shapes: ``(m, n)`` pairs. dtypes: names, keys of ``bfloat16 float16 float32 float64``.
@@ -247,9 +263,10 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
         repeat: timed runs per measurement after one warm-up; the median is kept.
         device: where to run (CUDA timings are synchronised). seed: of the Gaussian inputs.
         progress: called with each result dict as it is measured (``None``: silent).
+        paths: of ``"plain"``, ``"batched"``, ``"symmetric"`` (the matmul row is always measured).
 
     Raises:
-        ValueError: an unknown dtype name, ``batch`` or ``repeat`` below 1, a bad ``steps`` or
+        ValueError: an unknown dtype name or path, ``batch`` or ``repeat`` below 1, a bad ``steps`` or
             ``coefficients`` (before anything is timed).
 
     Returns:
@@ -264,6 +281,9 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     for name, value in (("batch", batch), ("repeat", repeat)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+    bad = [name for name in paths if name not in _PATHS]
+    if bad or not paths:
+        raise ValueError(f"Invalid paths: expected a non-empty subset of {list(_PATHS)}, got {list(paths)}")
     ns_schedule(coefficients, steps)
     device = torch.device(device)
     measure = _timer(device)
@@ -290,12 +310,21 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
             add(shape=[m, n], batch=batch, dtype=name, path="matmul", seconds=mm_seconds, flops=mm_flops,
                 tflops=mm_tflops, matmul_tflops=mm_tflops, fraction_of_matmul=1.0, orthogonality_error=None)
             flops = ns_flops((batch, m, n), steps, coefficients)
-            paths = {"plain": lambda: [newton_schulz(g, steps, coefficients, dtype=dtype) for g in G],
-                     "batched": lambda: newton_schulz(G, steps, coefficients, dtype=dtype)}
-            for path, fn in paths.items():
+            if "symmetric" in paths and dtype in _SYMMETRIC_DTYPES:
+                gram_seconds = measure(lambda: gram_xxt(W), repeat)
+                add(shape=[m, n], batch=batch, dtype=name, path="gram_symmetric", seconds=gram_seconds,
+                    flops=mm_flops, tflops=mm_flops / gram_seconds / 1e12, matmul_tflops=mm_tflops,
+                    fraction_of_matmul=mm_seconds / gram_seconds, orthogonality_error=None)
+            calls = {"plain": lambda: [newton_schulz(g, steps, coefficients, dtype=dtype) for g in G],
+                     "batched": lambda: newton_schulz(G, steps, coefficients, dtype=dtype),
+                     "symmetric": lambda: newton_schulz(G, steps, coefficients, dtype=dtype,
+                                                        gram="symmetric")}
+            for path, fn in calls.items():
+                if path not in paths or (path == "symmetric" and dtype not in _SYMMETRIC_DTYPES):
+                    continue
                 seconds = measure(fn, repeat)
                 tflops = flops / seconds / 1e12
-                error = orthogonality_error(fn()) if path == "batched" else None
+                error = orthogonality_error(fn()) if path in ("batched", "symmetric") else None
                 add(shape=[m, n], batch=batch, dtype=name, path=path, seconds=seconds, flops=flops,
                     tflops=tflops, matmul_tflops=mm_tflops, fraction_of_matmul=tflops / mm_tflops,
                     orthogonality_error=error)
@@ -314,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     Prints one line per measurement as it is made (the progress of a long run) and returns the report; with
     ``--json PATH`` also writes it there (device, torch version, date, arguments, rows as in
     :func:`run_benchmark`). Defaults: CUDA when present (shapes up to 4096 x 16384), else CPU with
-    small shapes (seconds on 2 cores). ``--help`` lists the options.
+    small shapes (seconds on 2 cores); paths plain and batched, plus symmetric where the Triton kernel
+    compiles (a CUDA device with triton installed). ``--help`` lists the options.
     """
     parser = argparse.ArgumentParser(prog="python -m optbook.bench",
                                      description=main.__doc__.splitlines()[0].replace("``", ""))
@@ -329,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--coefficients", default="simple", help="schedule name (default simple)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed runs per measurement, median kept (default 3)")
+    parser.add_argument("--paths", type=_parse_paths, default=None,
+                        help="comma-separated, of " + ", ".join(_PATHS) + " (default plain,batched, and "
+                             "symmetric on a GPU with triton)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON to PATH")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.repeat < 1:
@@ -344,23 +377,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("Invalid --device: CUDA is not available on this machine (use --device cpu)")
     shapes = args.shapes or _parse_shapes(_GPU_SHAPES if device.type == "cuda" else _CPU_SHAPES)
+    backend = gram_backend(torch.empty(0, device=device))
+    paths = args.paths or ["plain", "batched"] + (["symmetric"] if backend == "triton" else [])
 
     def progress(row):
-        print(f"  {row['shape'][0]}x{row['shape'][1]} x{row['batch']} {row['dtype']:>8} {row['path']:>7}: "
+        print(f"  {row['shape'][0]}x{row['shape'][1]} x{row['batch']} {row['dtype']:>8} {row['path']:>14}: "
               f"{row['seconds'] * 1e3:9.3f} ms {row['tflops']:8.4f} TFLOP/s "
               f"({100 * row['fraction_of_matmul']:5.1f}% of matmul)"
               + ("" if row["orthogonality_error"] is None
                  else f"  ||OO^T-I||_2 {row['orthogonality_error']:.3g}"),
               flush=True)
 
-    print(f"optbook.bench on {_device_name(device)}, torch {torch.__version__}", flush=True)
+    print(f"optbook.bench on {_device_name(device)}, torch {torch.__version__}"
+          + (f"; symmetric Gram kernels: {backend}" if "symmetric" in paths else ""), flush=True)
     rows = run_benchmark(shapes, args.dtypes, batch=args.batch, steps=args.steps,
-                         coefficients=args.coefficients, repeat=args.repeat, device=device, progress=progress)
+                         coefficients=args.coefficients, repeat=args.repeat, device=device, progress=progress,
+                         paths=paths)
     report = dict(device=_device_name(device), device_type=device.type, torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   arguments=dict(shapes=[list(s) for s in shapes], dtypes=args.dtypes, batch=args.batch,
-                                 steps=args.steps, coefficients=args.coefficients, repeat=args.repeat),
-                  results=rows)
+                                 steps=args.steps, coefficients=args.coefficients, repeat=args.repeat,
+                                 paths=paths),
+                  gram_backend=backend if "symmetric" in paths else None, results=rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

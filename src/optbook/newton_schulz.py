@@ -114,7 +114,7 @@ def _column_major(Y: torch.Tensor) -> torch.Tensor:
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence = "simple", eps: float = 1e-7,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  dtype: torch.dtype = torch.bfloat16, gram: str = "plain") -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` by ``steps`` Newton–Schulz iterations.
 
     Args:
@@ -127,16 +127,33 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
         dtype: dtype of the iteration (bf16 by default, as in Muon; float64 for exactness demos).
             The normalisation runs in at least float32 *before* the cast, so a gradient of size
             ~1e5 cannot overflow a low-precision dtype.
+        gram: how the two symmetric products of a step are formed. ``"plain"`` (default): torch's
+            ``X @ X.mT`` and ``torch.baddbmm``. ``"symmetric"``: :func:`optbook.kernels.gram_xxt` and
+            :func:`optbook.kernels.gram_poly`, Triton kernels that compute only the tiles on and below
+            the diagonal (chapter 15); on a CPU tensor they run only under ``TRITON_INTERPRET=1`` and
+            otherwise fall back to torch's products (see :func:`optbook.kernels.gram_backend`). Needs a
+            float16, bfloat16 or float32 ``dtype``, and no autograd (the kernels have no backward: call
+            it under ``torch.no_grad()``, as an optimizer step does). Same mathematics; the roundings
+            differ.
 
     Returns:
         A tensor of ``G``'s shape and dtype: ``U phi_k(S) V^T`` where ``phi_k`` composes the
         schedule's odd polynomials (singular values near 1, not exactly 1).
 
     Raises:
-        ValueError: ``G`` has fewer than 2 dimensions, ``eps <= 0``, or a bad ``steps``/``coefficients``.
+        ValueError: ``G`` has fewer than 2 dimensions, ``eps <= 0``, a bad ``steps``/``coefficients``, an
+            unknown ``gram``, or ``gram="symmetric"`` with a ``dtype`` other than float16/bfloat16/float32
+            or with a ``G`` that requires grad while grad mode is on.
         TypeError: ``G`` is not a real floating-point tensor.
     """
     schedule = ns_schedule(coefficients, steps)
+    if gram not in ("plain", "symmetric"):
+        raise ValueError(f"Invalid gram: expected 'plain' or 'symmetric', got {gram!r}")
+    if gram == "symmetric" and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"Invalid gram: 'symmetric' needs dtype float16, bfloat16 or float32, got {dtype}")
+    if gram == "symmetric" and isinstance(G, torch.Tensor) and G.requires_grad and torch.is_grad_enabled():
+        raise ValueError("Invalid gram: 'symmetric' has no backward and G requires grad; call under "
+                         "torch.no_grad() (as an optimizer step does) or pass G.detach()")
     if not isinstance(G, torch.Tensor) or not G.is_floating_point():
         raise TypeError(f"Invalid G: expected a real floating-point tensor, got "
                         f"{getattr(G, 'dtype', type(G).__name__)}")
@@ -153,11 +170,18 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
         X = X.mT
     X = X.reshape(-1, *X.shape[-2:]).contiguous()  # one batch dimension for baddbmm, rows in memory
     right = _column_major if X.device.type == "cpu" and X.dtype in (torch.bfloat16, torch.float16) else _same
+    if gram == "symmetric":
+        from .kernels import gram_poly, gram_xxt   # Triton is imported on the first kernel launch only
+        A, B = (torch.empty(*X.shape[:-1], X.shape[-2], dtype=X.dtype, device=X.device) for _ in range(2))
     for a, b, c in schedule:
-        A = X @ X.mT
-        # fused multiply-adds: one rounding each, which matters in bf16 (b A and c A^2 nearly cancel)
-        # (c == 0, the cubic: torch 2.13's CPU baddbmm with alpha=0 ignores beta in bf16/fp16 for n >= 32)
-        B = torch.baddbmm(A, A, right(A), beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
+        if gram == "symmetric":   # the tiles on and below the diagonal, mirrored; b A + c A^2 in one kernel
+            gram_xxt(X, out=A)
+            B = gram_poly(A, b, c, out=B) if c != 0 else b * A
+        else:
+            A = X @ X.mT
+            # fused multiply-adds: one rounding each, which matters in bf16 (b A and c A^2 nearly cancel)
+            # (c == 0, the cubic: torch 2.13's CPU baddbmm with alpha=0 ignores beta in bf16/fp16 for n >= 32)
+            B = torch.baddbmm(A, A, right(A), beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
         X = torch.baddbmm(X, B, right(X), beta=a)            # a X + B X
     X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if tall:
