@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "flowchart", "use_book_style", "subplots"]
+__all__ = ["COLORS", "flowchart", "shard_layout", "subplots", "use_book_style"]
 
 #: One colour per optimizer (and per line style family) across all chapters.
 COLORS = {
@@ -75,3 +75,58 @@ def flowchart(ax, stages: list[tuple[str, str]], *, branch: tuple[int, str] | No
         ax.annotate("", xy=(6.55, y), xytext=(5.75, y),
                     arrowprops=dict(arrowstyle="->", color="#d62728", linestyle="--"))
     return drawn
+
+
+def shard_layout(ax, layout, names: list[str] | None = None) -> list[tuple[str, list[int]]]:
+    """Draw a ZeRO-1 layout (:func:`optbook.distributed.shard_layout`): one row per bucket, one cell per
+    element, coloured by parameter (padding hatched grey), shard boundaries as thick lines labelled with
+    their rank. Explained in chapter 13.
+
+    Args:
+        ax: a matplotlib ``Axes`` (its axis is switched off).
+        layout: a :class:`optbook.distributed.zero1.Layout`.
+        names: one label per parameter (default ``p0, p1, ...``); a zero-element parameter is listed in the
+            legend only.
+
+    Returns:
+        ``[(name, [ranks holding a piece of it])]`` per parameter, in order, so a cell can assert what the
+        figure shows (e.g. which parameter is split across two ranks).
+    """
+    from matplotlib.patches import Patch, Rectangle
+
+    names = names or [f"p{r.index}" for r in layout.params]
+    colors = mpl.colormaps["tab10"]
+    ax.set_axis_off()
+    width = max(b.numel for b in layout.buckets)
+    for row, bucket in enumerate(layout.buckets):
+        y = -2.2 * row
+        owner = {}
+        for r in layout.params:
+            if r.bucket == row:
+                owner.update({e: r.index for e in range(r.start, r.end)})
+        for e in range(bucket.start, bucket.end):
+            x = e - bucket.start
+            if e in owner:
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colors(owner[e] % 10), edgecolor="white",
+                                       lw=0.5))
+            else:
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.92", edgecolor="0.7", hatch="///", lw=0.5))
+        for rank in range(layout.world_size + 1):
+            x = rank * bucket.shard_numel
+            ax.plot([x, x], [y - 0.15, y + 1.15], color="k", lw=2)
+            if rank < layout.world_size:
+                ax.text(x + bucket.shard_numel / 2, y - 0.2, f"rank {rank}", ha="center", va="top",
+                        fontsize=8)
+        ax.text(-0.5, y + 0.5, f"bucket {row}", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-4, width + 0.5)
+    ax.set_ylim(-2.2 * (len(layout.buckets) - 1) - 1.0, 1.3)
+    handles = [Patch(facecolor=colors(r.index % 10), label=f"{names[r.index]} {tuple(r.shape)}")
+               for r in layout.params]
+    handles.append(Patch(facecolor="0.92", edgecolor="0.7", hatch="///", label="padding"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=min(4, len(handles)),
+              fontsize=8)
+    holders = {r.index: set() for r in layout.params}
+    for rank in range(layout.world_size):
+        for piece in layout.pieces(rank):
+            holders[piece.index].add(rank)
+    return [(names[r.index], sorted(holders[r.index])) for r in layout.params]

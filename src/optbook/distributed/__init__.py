@@ -1,11 +1,14 @@
-"""Several processes, one training run. Explained in chapter 12.
+"""Several processes, one training run. Explained in chapters 12 and 13.
 
 :func:`launch` runs a function on several local processes joined by a ``torch.distributed`` process group
 (the notebooks' stand-in for ``torchrun``); :func:`init_from_env` joins the group of a script started by
-``torchrun``. The functions the chapters run on every rank live in :mod:`optbook.distributed.workers`:
-spawned processes import them by name, so they cannot be defined in a notebook cell.
+``torchrun``. :class:`DistributedOptimizer` is ZeRO-1 (chapter 13): each rank keeps the optimizer state of
+one shard of a flat parameter buffer. The functions the chapters run on every rank live in
+:mod:`optbook.distributed.workers`: spawned processes import them by name, so they cannot be defined in a
+notebook cell.
 """
 
 from .launch import init_from_env, launch
+from .zero1 import DistributedOptimizer, shard_layout
 
-__all__ = ["init_from_env", "launch"]
+__all__ = ["DistributedOptimizer", "init_from_env", "launch", "shard_layout"]

@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["clip_problem", "raise_on_rank", "sharded_clip_worker"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker",
+           "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip",
+           "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -86,3 +88,430 @@ def raise_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
         raise ValueError(f"rank {rank} fails on purpose")
     dist.barrier()
     return rank
+
+
+# --- ZeRO-1 (chapter 13 and tests/test_zero1.py) ---------------------------------------------------------
+def zero1_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[list[torch.Tensor], list[dict]]:
+    """Parameters and param groups that exercise the ZeRO-1 layout, the same on every rank for ``seed``.
+
+    Returns:
+        ``(params, groups)``: six leaf tensors of ``dtype`` with shapes ``(20, 15)`` (larger than a shard),
+        ``(7,)``, ``(0, 3)`` (zero elements), ``(1,)``, ``(9, 4)``, ``(3,)``, entries ``k / 64`` with integer
+        ``k`` in ``[-64, 64)`` (exact in bfloat16); and three groups that interleave relative to that order:
+        ``[params[4], params[0]]`` (weight decay 0.1), ``[params[3]]`` (one element: fewer than the ranks;
+        lr 0.05, no decay), ``[params[1], params[2], params[5]]`` (defaults).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(20, 15), (7,), (0, 3), (1,), (9, 4), (3,)]
+    params = [(torch.randint(-64, 64, s, generator=gen) / 64).to(dtype).requires_grad_() for s in shapes]
+    groups = [{"params": [params[4], params[0]], "weight_decay": 0.1},
+              {"params": [params[3]], "lr": 0.05, "weight_decay": 0.0},
+              {"params": [params[1], params[2], params[5]]}]
+    return params, groups
+
+
+def zero1_mean_grads(params: list[torch.Tensor], step: int, seed: int = 0) -> list[torch.Tensor | None]:
+    """The gradient of the whole batch at ``step`` (the same at every world size): what a single process
+    would use. Entries ``k / 256`` with integer ``k`` in ``[-512, 512)`` in ``params``' dtype; ``params[5]``
+    has none (``None``)."""
+    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step)
+    grads = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype) for p in params]
+    grads[5] = None
+    return grads
+
+
+def zero1_grads(params: list[torch.Tensor], step: int, rank: int, world_size: int, seed: int = 0, *,
+                same_on_every_rank: bool = False) -> list[torch.Tensor | None]:
+    """Rank ``rank``'s gradients at ``step``: their mean over the ``world_size`` ranks is exactly
+    :func:`zero1_mean_grads` at every world size (all values are dyadic, so the sums are exact in any order).
+
+    Rank ``r`` gets ``G + (r - (world_size - 1) / 2) * D`` (the deviations sum to zero), with ``G`` the mean
+    gradient and ``D`` another draw of the same kind; ``params[1]`` gets ``world_size * G`` on rank 0 and no
+    gradient (``None``) elsewhere; ``params[5]`` never has one. ``same_on_every_rank``: every rank gets ``G``
+    (for bfloat16, where ``G + D`` would be rounded).
+    """
+    mean = zero1_mean_grads(params, step, seed)
+    if same_on_every_rank:
+        return mean
+    gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + 7)
+    out = []
+    for i, (p, g) in enumerate(zip(params, mean)):
+        d = (torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype)
+        if g is None:
+            out.append(None)
+        elif i == 1:
+            out.append(world_size * g if rank == 0 else None)
+        else:
+            out.append(g + (rank - (world_size - 1) / 2) * d)
+    return out
+
+
+def _set_grads(params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64,
+                       steps: int = 3, group=None) -> dict:
+    """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
+    (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
+    weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps
+    ``k = 1, 2, 3``.
+
+    Returns:
+        ``{"params": [A, B], "norms": [pre-clip norm per step], "pieces": this rank's pieces,
+        "padding_zero": whether the padding of the parameter and gradient buffers is still exactly zero}``.
+    """
+    from .zero1 import DistributedOptimizer
+
+    A = torch.tensor([1.0, 2, 3, 4, 5], dtype=dtype, requires_grad=True)
+    B = torch.tensor([[1.0, -1], [0.5, -0.5]], dtype=dtype, requires_grad=True)
+    opt = DistributedOptimizer([A, B], process_group=group, lr=0.1, weight_decay=0.01, max_grad_norm=1.0,
+                               param_alignment=1,
+                               bucket_alignment=16)
+    norms = []
+    for k in range(1, steps + 1):
+        A.grad = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
+        B.grad = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        opt.step()
+        norms.append(opt.last_grad_norm.item())
+    real = sum(r.numel for r in opt.layout.params)
+    padding_zero = all(bool((buf[real:] == 0).all()) for buf in (*opt.param_buffers.values(),
+                                                                   *opt.grad_buffers.values()))
+    return {"params": [A.detach(), B.detach()], "norms": norms, "pieces": opt.pieces,
+            "padding_zero": padding_zero}
+
+
+def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
+                group=None, checkpoint_at: int = 3, bucket_size: int | None = 200,
+                low_precision: bool = False, overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
+    """Train :func:`zero1_problem` with :class:`~optbook.distributed.DistributedOptimizer` (AdamW, lr 0.01).
+
+    float64 (``low_precision=False``): each rank gets its own :func:`zero1_grads`. bfloat16 with a
+    ``DynamicLossScaler(2**10, growth_interval=2, hysteresis=1)``: every rank gets the same gradient times
+    the loss scale, and at each step in ``overflow_at`` the last rank's first gradient holds ``inf``.
+    At step ``lr_change_at`` the first group's lr becomes 0.02 (as a scheduler would set it).
+
+    Args:
+        resume: ``None`` to start at step 0, or a checkpoint returned by an earlier call (any world size):
+            the parameters and the consolidated optimizer state at step ``checkpoint_at``, from which this
+            run continues.
+        group: the process group (``None``: all processes); ``rank`` and ``world_size`` are this process's
+            rank in it and its size (as for :func:`zero1_padding_clip` and :func:`zero1_bad_input`).
+
+    Returns:
+        ``{"params": final parameters, "state_dict": consolidated at the end (rank 0, else None),
+        "checkpoint": {"params", "optimizer"} at ``checkpoint_at`` (on the last rank; None when resuming),
+        "applied": step() results, "scales": loss scale after each step, "skipped_steps": int,
+        "pieces": this rank's pieces, "memory": memory_bytes()}``.
+    """
+    from ..precision import DynamicLossScaler
+    from .zero1 import DistributedOptimizer
+
+    dtype = torch.bfloat16 if low_precision else torch.float64
+    params, groups = zero1_problem(seed, dtype)
+    scaler = DynamicLossScaler(2.0**10, growth_interval=2, hysteresis=1) if low_precision else None
+    start = 0
+    if resume is not None:
+        with torch.no_grad():
+            for p, saved in zip(params, resume["params"]):
+                p.copy_(saved)
+        start = checkpoint_at
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=bucket_size,
+                               loss_scaler=scaler)
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+    checkpoint, applied, scales = None, [], []
+    for t in range(start, steps):
+        if t == checkpoint_at and resume is None:
+            opt.consolidate_state_dict(to=world_size - 1)
+            if rank == world_size - 1:
+                checkpoint = {"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}
+        if t == lr_change_at:
+            opt.param_groups[0]["lr"] = 0.02
+        grads = zero1_grads(params, t, rank, world_size, seed, same_on_every_rank=low_precision)
+        if low_precision:
+            grads = [None if g is None else g * opt.loss_scale for g in grads]
+            if t in overflow_at and rank == world_size - 1:
+                grads[0][0, 0] = float("inf")
+        _set_grads(params, grads)
+        applied.append(opt.step())
+        scales.append(opt.loss_scale)
+        opt.zero_grad()
+    opt.consolidate_state_dict(to=0)
+    return {"params": [p.detach() for p in params], "state_dict": opt.state_dict() if rank == 0 else None,
+            "checkpoint": checkpoint, "applied": applied, "scales": scales,
+            "skipped_steps": opt.skipped_steps,
+            "pieces": opt.pieces, "memory": opt.memory_bytes()}
+
+
+def _snapshot(opt, params) -> list[torch.Tensor]:
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().clone() for t in (*params, *state, *opt.master_shards.values())]
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0, group=None) -> dict:
+    """Bad input on one rank or on all: every rank raises, nothing is written, the ranks stay in step.
+
+    After two good steps: (1) the last rank passes a sparse gradient, (2) rank 0 alone sets ``betas`` to
+    ``(1.5, 0.999)``, (3) every rank sets ``lr = -1``, (4) the last rank replaces a parameter's ``.data`` (it
+    leaves the flat buffer). Each time every rank catches the error; then a good step runs (no rank hangs).
+
+    Returns:
+        ``{"errors": [(type name, message) per case], "untouched": [bool per case: parameters, state and
+        masters bitwise unchanged], "grads_untouched": bool, "after": parameters after the final good step,
+        "constructor_errors": {case: (type name, message)}}``.
+    """
+    from ..optim import Muon
+    from .zero1 import DistributedOptimizer
+
+    params, groups = zero1_problem(seed)
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01)
+    for t in range(2):
+        _set_grads(params, zero1_grads(params, t, rank, world_size, seed))
+        opt.step()
+    errors, untouched = [], []
+    good = zero1_grads(params, 2, rank, world_size, seed)
+    grads_untouched = True
+    last = world_size - 1
+    for what in ("sparse", "betas", "lr", "data"):
+        grads = [None if g is None else g.clone() for g in good]
+        if what == "sparse" and rank == last:
+            grads[4] = grads[4].to_sparse()
+        _set_grads(params, grads)
+        before = _snapshot(opt, params)
+        grads_before = [p.grad.clone() for p in params if p.grad is not None]
+        saved = {k: opt.param_groups[0][k] for k in ("lr", "betas")}
+        view = params[0].data
+        if what == "betas" and rank == 0:
+            opt.param_groups[0]["betas"] = (1.5, 0.999)
+        if what == "lr":
+            opt.param_groups[0]["lr"] = -1.0
+        if what == "data" and rank == last:
+            params[0].data = view.clone()
+        try:
+            opt.step()
+            errors.append(None)
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append((type(e).__name__, str(e)))
+        opt.param_groups[0].update(saved)
+        params[0].data = view
+        untouched.append(_bitwise_equal(before, _snapshot(opt, params)))
+        grads_untouched &= all(torch.equal(a.to_dense(), b.to_dense()) for a, b in
+                               zip(grads_before, [p.grad for p in params if p.grad is not None]))
+    _set_grads(params, good)
+    opt.step()
+    constructor_errors = {}
+    for name, kwargs in [("muon", dict(optimizer_class=Muon)), ("max_grad_norm", dict(max_grad_norm=0.0)),
+                         ("bucket_size", dict(bucket_size=0)), ("lr", dict(lr=-0.1)),
+                         ("float16", dict()), ("to", None)]:
+        try:
+            if name == "float16":
+                DistributedOptimizer([torch.zeros(3, dtype=torch.float16, requires_grad=True)])
+            elif name == "to":
+                opt.consolidate_state_dict(to=world_size)
+            else:
+                DistributedOptimizer([torch.zeros(3, requires_grad=True)], **kwargs)
+            constructor_errors[name] = None
+        except (TypeError, ValueError) as e:
+            constructor_errors[name] = (type(e).__name__, str(e))
+    return {"errors": errors, "untouched": untouched, "grads_untouched": grads_untouched,
+            "after": [p.detach() for p in params], "constructor_errors": constructor_errors}
+
+
+def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
+    """Train :func:`zero1_problem`; rank ``bad_rank`` raises before its step ``at_step`` while the other ranks
+    enter the step's reduce-scatter. :func:`optbook.distributed.launch` must then fail fast (not hang)."""
+    from .zero1 import DistributedOptimizer
+
+    params, groups = zero1_problem()
+    opt = DistributedOptimizer(groups, lr=0.01)
+    for t in range(4):
+        if t == at_step and rank == bad_rank:
+            raise RuntimeError(f"rank {rank} fails on purpose at step {t}")
+        _set_grads(params, zero1_grads(params, t, rank, world_size))
+        opt.step()
+    return rank
+
+
+#: The process groups of :func:`zero1_suite` on 4 processes: world size -> global ranks.
+SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
+
+
+def zero1_suite(rank: int, world_size: int) -> dict:
+    """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch of 4 processes (a launch costs seconds of
+    imports per process): the checks run on 2, 3 and 4 of them, one process group each.
+
+    The groups are :data:`SUITE_GROUPS` (2 ranks: global 2, 3; 3 ranks: global 1, 2, 3; 4: all), so a
+    group's rank 0 is not global rank 0 (the broadcast and gather of DistributedOptimizer name global
+    ranks). On each group: :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow
+    at step 2, from step 0 and (3 and 4 ranks) resumed from the checkpoint of the group before;
+    :func:`zero1_padding_clip`; :func:`zero1_bad_input`; a scheduler and step hooks.
+
+    Returns:
+        ``{size: report or None}`` for sizes 2, 3, 4 (``None`` where this process is not in the group); a
+        report is ``{"float64", "bfloat16", "float64_resumed", "bfloat16_resumed", "padding_clip",
+        "bad_input", "scheduler"}`` (the dicts those functions return; ``*_resumed`` is ``None`` at 2 ranks).
+    """
+    if world_size != 4:
+        raise ValueError(f"Invalid world_size: zero1_suite runs on 4 processes, got {world_size}")
+    groups = {size: dist.new_group(ranks) for size, ranks in SUITE_GROUPS.items()}  # every rank, same order
+    out, resume = {}, None
+    for size, ranks in SUITE_GROUPS.items():
+        report = None
+        if rank in ranks:
+            g, r = groups[size], ranks.index(rank)
+            report = {"float64": zero1_train(r, size, group=g),
+                      "bfloat16": zero1_train(r, size, low_precision=True, overflow_at=(2,), group=g)}
+            for kind, low in (("float64", False), ("bfloat16", True)):
+                report[kind + "_resumed"] = None if resume is None else zero1_train(
+                    r, size, low_precision=low, overflow_at=(2,), resume=resume[kind], group=g)
+            report["padding_clip"] = zero1_padding_clip(r, size, group=g)
+            report["bad_input"] = zero1_bad_input(r, size, group=g)
+            report["scheduler"] = _zero1_scheduler_and_hooks(group=g)
+        # the checkpoint was consolidated on the group's last rank: every process gets it for the next group
+        shared = [None if report is None else {k: report[k]["checkpoint"] for k in ("float64", "bfloat16")}]
+        dist.broadcast_object_list(shared, src=ranks[-1])
+        resume, out[size] = shared[0], report
+    return out
+
+
+def _zero1_scheduler_and_hooks(group=None) -> dict:
+    """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
+    the hook calls (each hook must run once per step)."""
+    from .zero1 import DistributedOptimizer
+
+    p = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    opt = DistributedOptimizer([p], process_group=group, lr=1.0, weight_decay=0.0)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    lrs = []
+    for _ in range(2):
+        p.grad = torch.ones(3, dtype=torch.float64)
+        assert opt.step()
+        lrs.append(opt.optimizer.param_groups[0]["lr"])  # what the shard step used
+        sched.step()
+    return {"calls": calls, "lrs": lrs, "param": p.detach()}
+
+
+def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
+    """The chapter's model: ``Linear(64, 256) - ReLU - Linear(256, 256) - ReLU - Linear(256, 10)`` (85 002
+    parameters, the middle matrix 77 % of them), initialised from ``seed`` in ``dtype``."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(dtype)
+    torch.random.set_rng_state(gen_state)
+    return model
+
+
+def chapter_batch(seed: int = 0, n: int = 32, dtype: torch.dtype = torch.float64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A regression batch for :func:`chapter_mlp`: inputs ``(n, 64)`` and targets ``(n, 10)``, N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(n, 64, generator=gen, dtype=dtype), torch.randn(n, 10, generator=gen, dtype=dtype)
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def zero1_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 20,
+                  seed: int = 0) -> dict:
+    """Everything chapter 13 runs, in one launch: the checks below on the first ``d`` processes (a process
+    group of ranks ``0 .. d - 1``) for each ``d`` in ``sizes`` (each at most ``world_size``).
+
+    Returns:
+        ``{d: report, or None on a process outside that group}``, a report being:
+
+        1. ``"dyadic"``: the final parameters of :func:`zero1_train` (float64; its single-process twin
+           :func:`zero1_reference` is exactly computable).
+        2. ``"mlp"``: :func:`chapter_mlp` in float64 trained for ``steps`` steps on this rank's equal slice
+           of :func:`chapter_batch` (mean squared error), DistributedOptimizer(AdamW, lr 1e-2, weight decay
+           0.1, max_grad_norm 1.0); ``"norms"``: the pre-clip norm of each step.
+        3. ``"ledger"``: ``memory_bytes()`` after one step of the bfloat16 model (float32 masters, dynamic
+           loss scaling) with default alignment; ``"applied16"``: whether that step was applied.
+        4. ``"zero_state"`` / ``"ours_state"``: optimizer-state bytes on this rank after one step of the
+           float32 model, for ``torch.distributed.optim.ZeroRedundancyOptimizer(torch.optim.AdamW)`` (whole
+           parameters per rank; gradients all-reduced by hand, mean) and for
+           DistributedOptimizer(torch.optim.AdamW); ``"zero_vs_ours"``: the largest difference between
+           their parameters after that step; ``"numel"``: the model's parameter count.
+    """
+    torch.set_num_threads(1)
+    groups = {d: dist.group.WORLD if d == world_size else dist.new_group(list(range(d))) for d in sizes}
+    out = {}
+    for d in sizes:
+        out[d] = _zero1_chapter_checks(rank, d, groups[d], steps, seed) if rank < d else None
+        dist.barrier()
+    return out
+
+
+def _zero1_chapter_checks(rank: int, world_size: int, group, steps: int, seed: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ..precision import DynamicLossScaler
+    from .zero1 import DistributedOptimizer
+
+    out = {"dyadic": zero1_train(rank, world_size, group=group)["params"]}
+    X, Y = chapter_batch(seed)
+    n = X.shape[0] // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+
+    model = chapter_mlp(seed)
+    opt = DistributedOptimizer(model.parameters(), process_group=group, lr=1e-2, weight_decay=0.1,
+                               max_grad_norm=1.0)
+    norms = []
+    for _ in range(steps):
+        torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm.item())
+    out["mlp"], out["norms"] = [p.detach() for p in model.parameters()], norms
+
+    model16 = chapter_mlp(seed, torch.bfloat16)
+    opt16 = DistributedOptimizer(model16.parameters(), process_group=group, lr=1e-3,
+                                 loss_scaler=DynamicLossScaler(2.0**8))
+    loss = torch.nn.functional.mse_loss(model16(X[mine].bfloat16()).float(), Y[mine].float())
+    opt16.scale_loss(loss).backward()
+    out["applied16"] = opt16.step()
+    out["ledger"] = opt16.memory_bytes()
+
+    ours_model, zero_model = chapter_mlp(seed, torch.float32), chapter_mlp(seed, torch.float32)
+    ours = DistributedOptimizer(ours_model.parameters(), torch.optim.AdamW, group, lr=1e-3)
+    zero = ZeroRedundancyOptimizer(zero_model.parameters(), optimizer_class=torch.optim.AdamW,
+                                   process_group=group, lr=1e-3)
+    for m in (ours_model, zero_model):
+        torch.nn.functional.mse_loss(m(X[mine].float()), Y[mine].float()).backward()
+    for p in zero_model.parameters():  # what DistributedDataParallel would do
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(world_size)
+    ours.step()
+    zero.step()
+    out["ours_state"], out["zero_state"] = _state_bytes(ours.optimizer), _state_bytes(zero.optim)
+    out["zero_vs_ours"] = max((a - b).abs().max().item()
+                              for a, b in zip(ours_model.parameters(), zero_model.parameters()))
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def zero1_reference(steps: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    """The single-process twin of :func:`zero1_train` in float64: ``optbook.optim.AdamW`` (lr 0.01; the
+    first group's lr 0.02 from step 2) on :func:`zero1_mean_grads`. Returns the final parameters."""
+    from ..optim import AdamW
+
+    params, groups = zero1_problem(seed)
+    opt = AdamW(groups, lr=0.01)
+    for t in range(steps):
+        if t == 2:
+            opt.param_groups[0]["lr"] = 0.02
+        _set_grads(params, zero1_mean_grads(params, t, seed))
+        opt.step()
+    return [p.detach() for p in params]

@@ -1,0 +1,738 @@
+"""ZeRO-1: each data-parallel rank keeps the optimizer state of one shard of the parameters. Explained in
+chapter 13.
+
+Sources: Rajbhandari et al. (2020), "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (SC20, arXiv:1910.02054), stage 1 ("P_os", optimizer-state partitioning; bib key
+``rajbhandari2020zero``); the layout and the order of the collectives follow Megatron-LM's distributed
+optimizer (``megatron/core/distributed/param_and_grad_buffer.py`` and
+``megatron/core/optimizer/distrib_optimizer.py``; bib key ``megatron2024distopt``). The code here is our
+own.
+
+The layout (:func:`shard_layout`). The parameters of each dtype live in one contiguous flat buffer, in
+param-group order; each parameter starts at a multiple of ``param_alignment`` elements (Megatron: 64).
+The buffer is cut into buckets (one per dtype unless ``bucket_size`` is given); each bucket is padded to a
+multiple of ``lcm(world_size, bucket_alignment)`` elements (Megatron: 128) and split into ``world_size``
+equal, contiguous shards **ignoring parameter boundaries**: a parameter may be split across two or more
+ranks, and a rank may hold only padding. Rank ``r`` owns shard ``r`` of every bucket; the part of a
+parameter inside it is a :class:`Piece`.
+
+One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
+
+    flat_grad[param] = p.grad                      every rank, its own micro-batch's gradient
+    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r ...
+    flat_grad[shard r] /= world_size                 ... and takes the mean
+    flat_grad[shard r] /= S; found_inf             (with a loss scaler S)
+    all_reduce([found_inf, has_grad...], MAX)       every rank skips together, one scale update
+    clip by sqrt(all_reduce(sum of squares, SUM))   (max_grad_norm) each element counted once
+    inner optimizer step on the pieces of shard r   float32 masters and m, v for shard r only
+    flat_param[shard r] = master[shard r]           (float16/bfloat16: one rounding)
+    all_gather(flat_param, flat_param[shard r])     every rank has every updated parameter
+
+Memory per parameter (bytes, ``d`` = world size, AdamW): bfloat16/float16 parameters with float32
+gradient reduction: 2 (parameter) + 4 (gradient buffer) + 12/d (float32 master, m, v); float32
+parameters: 4 + 4 + 8/d (the parameter is its own master). Without ZeRO the same is 18 and 16
+(Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``). :meth:`DistributedOptimizer.memory_bytes`
+measures it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..clipping import clip_grad_norm_
+from ..optim import AdamW
+from ..optim._validation import check_grad, check_number
+from ..optim.optimizer import BookOptimizer, all_finite
+
+__all__ = ["Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
+
+#: Parameter dtypes that get float32 masters and float32 gradient buffers.
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --- the layout ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamRange:
+    """Where one parameter lives: elements ``start .. start + numel - 1`` of its dtype's flat buffer."""
+
+    index: int          #: position of the parameter in param-group order (the state-dict index)
+    dtype: torch.dtype
+    bucket: int         #: index into :attr:`Layout.buckets`
+    start: int
+    numel: int
+    shape: tuple
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Elements ``start .. start + numel - 1`` of the ``dtype`` buffer, split into equal shards."""
+
+    dtype: torch.dtype
+    start: int
+    numel: int          #: padded: a multiple of lcm(world_size, bucket_alignment) (0 for an empty bucket)
+    world_size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """``(start, end)`` of rank ``rank``'s shard in the dtype's buffer."""
+        s = self.start + rank * self.shard_numel
+        return s, s + self.shard_numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``index`` that rank ``rank`` owns: elements ``param_start .. param_end - 1``
+    of the flattened parameter, which are elements ``buffer_start ..`` of its dtype's buffer."""
+
+    index: int
+    rank: int
+    bucket: int
+    param_start: int
+    param_end: int
+    buffer_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat buffers, buckets and shards of :func:`shard_layout`."""
+
+    world_size: int
+    params: tuple       #: one :class:`ParamRange` per parameter, in param-group order
+    buckets: tuple      #: :class:`Bucket` s, grouped by dtype in order of first appearance
+    buffer_numel: dict  #: dtype -> elements of its flat buffer (padding included)
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The pieces of parameters rank ``rank`` owns, bucket by bucket, in buffer order (zero-element
+        parameters and padding have none)."""
+        out = []
+        for b, bucket in enumerate(self.buckets):
+            lo, hi = bucket.shard(rank)
+            for r in self.params:
+                if r.bucket != b:
+                    continue
+                s, e = max(r.start, lo), min(r.end, hi)
+                if s < e:
+                    out.append(Piece(r.index, rank, b, s - r.start, e - r.start, s))
+        return out
+
+    def padding(self, rank: int) -> int:
+        """Elements of rank ``rank``'s shards that belong to no parameter."""
+        return sum(b.shard_numel for b in self.buckets) - sum(p.numel for p in self.pieces(rank))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
+    return value
+
+
+def shard_layout(params, world_size: int, *, bucket_size: int | None = None, param_alignment: int = 64,
+                 bucket_alignment: int = 128) -> Layout:
+    """Place ``params`` in flat per-dtype buffers, cut into buckets and equal shards (Megatron-LM's layout).
+
+    Args:
+        params: tensors (any shapes, including zero elements; only ``shape``, ``numel`` and ``dtype`` are
+            read), in param-group order.
+        world_size: number of data-parallel ranks, an int ``>= 1``.
+        bucket_size: ``None`` (one bucket per dtype) or an int ``>= 1``: a bucket is closed as soon as it
+            holds at least this many elements (padding included), as Megatron's ``bucket_size``.
+        param_alignment: each parameter starts at a multiple of this many elements (Megatron: 64).
+        bucket_alignment: each bucket is padded to a multiple of ``lcm(world_size, bucket_alignment)``
+            elements (Megatron: 128), so it splits into ``world_size`` equal shards.
+
+    Returns:
+        A :class:`Layout`. A zero-element parameter gets a range of length 0 (and keeps its shape).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range, named in the message.
+    """
+    world_size = _check_int("world_size", world_size, 1)
+    if bucket_size is not None:
+        bucket_size = _check_int("bucket_size", bucket_size, 1)
+    param_alignment = _check_int("param_alignment", param_alignment, 1)
+    bucket_alignment = _check_int("bucket_alignment", bucket_alignment, 1)
+    params = list(params)
+    multiple = math.lcm(world_size, bucket_alignment)
+    ranges: dict[int, ParamRange] = {}
+    buckets: list[Bucket] = []
+    buffer_numel: dict = {}
+    for dtype in dict.fromkeys(p.dtype for p in params):  # dtypes in order of first appearance
+        offset = bucket_start = 0
+        open_bucket = False
+
+        def close(offset: int, bucket_start: int, dtype: torch.dtype = dtype) -> int:
+            numel = _round_up(offset - bucket_start, multiple)
+            buckets.append(Bucket(dtype, bucket_start, numel, world_size))
+            return bucket_start + numel
+
+        for i, p in enumerate(params):
+            if p.dtype != dtype:
+                continue
+            offset = _round_up(offset, param_alignment)
+            ranges[i] = ParamRange(i, dtype, len(buckets), offset, p.numel(), tuple(p.shape))
+            offset += p.numel()
+            open_bucket = True
+            if bucket_size is not None and offset - bucket_start >= bucket_size:
+                offset = bucket_start = close(offset, bucket_start)
+                open_bucket = False
+        if open_bucket:
+            offset = close(offset, bucket_start)
+        buffer_numel[dtype] = offset
+    return Layout(world_size, tuple(ranges[i] for i in range(len(params))), tuple(buckets), buffer_numel)
+
+
+# --- the optimizer ------------------------------------------------------------------------------------------
+def _not_elementwise() -> tuple:
+    from ..optim import SOAP, Adafactor, ChainedOptimizer, Muon, Shampoo
+
+    return (Muon, Shampoo, SOAP, Adafactor, ChainedOptimizer)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 around an element-wise optimizer: reduce-scatter, shard step, all-gather (module docstring).
+
+    Used like ``torch.distributed.optim.ZeroRedundancyOptimizer``: build it on every rank of
+    ``process_group`` with the same parameters (each rank a replica of the model), run the backward pass on
+    each rank's micro-batch, call :meth:`step` on every rank (it averages the gradients itself), and
+    :meth:`zero_grad`. Every method documented as collective must be called by every rank.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts, as for ``optimizer_class``; all on one
+            device (the CPU for gloo, the rank's CUDA device for NCCL); float16, bfloat16, float32 or
+            float64. At construction each parameter is copied into its dtype's flat buffer and its
+            ``.data`` becomes a view of that buffer (same shape; contiguous); then every buffer is
+            broadcast from the group's rank 0, so every rank starts from rank 0's parameters (as
+            ``DistributedDataParallel``). Do not replace ``p.data`` afterwards (``model.to(...)``,
+            ``load_state_dict(assign=True)``): :meth:`step` refuses a parameter that left its buffer.
+        optimizer_class: an element-wise ``torch.optim.Optimizer`` class (default
+            :class:`optbook.optim.AdamW`; also ``SGD``, ``Adam``, ``Lion`` or ``torch.optim``'s). Muon,
+            Shampoo, SOAP and Adafactor are refused: their update of a matrix is not the concatenation of
+            the updates of its pieces.
+        process_group: the data-parallel group (``None``: ``torch.distributed.group.WORLD``).
+        loss_scaler: ``None`` or a loss scaler of :mod:`optbook.precision` (``scale``, ``update``,
+            ``state_dict``, ``load_state_dict``); required with float16 parameters. Use
+            :meth:`scale_loss` for the backward pass.
+        max_grad_norm: if set (``> 0``), clip the mean, unscaled gradient by its global L2 norm over the
+            group (:func:`optbook.clipping.clip_grad_norm_` on the shards; padding is not counted, a
+            parameter split across ranks is counted once); the norm is kept in :attr:`last_grad_norm`.
+        bucket_size, param_alignment, bucket_alignment: the layout, see :func:`shard_layout`.
+        **defaults: hyperparameters for ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ...).
+
+    Dtypes: a float16/bfloat16 parameter is reduced in a float32 gradient buffer and stepped on a float32
+    master of this rank's pieces (the state is float32); a float32/float64 parameter is reduced in its own
+    dtype and stepped in place (its buffer is its own master, the state has its dtype).
+
+    Attributes:
+        optimizer: the ``optimizer_class`` instance over this rank's pieces (1-D views); its groups mirror
+            :attr:`param_groups` (hyperparameters are copied over before each step, so a learning-rate
+            scheduler built on this object works). Its ``state`` is this rank's shard of the state.
+        layout: the :class:`Layout`; ``pieces``: this rank's :class:`Piece` s.
+        found_inf, skipped_steps, last_grad_norm: as :class:`optbook.precision.MixedPrecisionOptimizer`.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass; a bad ``loss_scaler``;
+            an argument of the wrong type, named in the message.
+        ValueError: a non-element-wise ``optimizer_class``; parameters on several devices; float16
+            parameters without a loss scaler; ``max_grad_norm <= 0``; what ``optimizer_class`` raises for
+            its hyperparameters. All before any parameter is touched.
+    """
+
+    def __init__(self, params, optimizer_class=AdamW, process_group=None, *, loss_scaler=None,
+                 max_grad_norm: float | None = None, bucket_size: int | None = None,
+                 param_alignment: int = 64, bucket_alignment: int = 128, **defaults):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DistributedOptimizer needs an initialised torch.distributed process group "
+                               "(optbook.distributed.launch, or init_from_env under torchrun)")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"Invalid optimizer_class: expected a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_class!r}")
+        if issubclass(optimizer_class, _not_elementwise()):
+            raise ValueError(f"Invalid optimizer_class: {optimizer_class.__name__} does not update "
+                             "element by element, so it cannot step a shard that cuts through a matrix; use "
+                             "AdamW, Adam, SGD or Lion (whole-matrix optimizers need ownership of whole "
+                             "matrices, chapter 14)")
+        if loss_scaler is not None:
+            needed = ("scale", "update", "state_dict", "load_state_dict")
+            lacking = [a for a in needed if not hasattr(loss_scaler, a)]
+            if lacking:
+                raise TypeError(f"Invalid loss_scaler: a {type(loss_scaler).__name__} without "
+                                f"{', '.join(lacking)}")
+            from ..precision import _scaler_scale
+
+            _scaler_scale(loss_scaler)
+        if max_grad_norm is not None:
+            max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        group = dist.group.WORLD if process_group is None else process_group
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        # The class checks its own hyperparameters and parameters and fills every group's defaults.
+        template = optimizer_class(params, **defaults)
+        groups = template.param_groups
+        all_params = [p for g in groups for p in g["params"]]
+        devices = {p.device for p in all_params}
+        if len(devices) > 1:
+            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}; put "
+                             "the whole model on this rank's device")
+        for i, p in enumerate(all_params):
+            if p.dtype == torch.float16 and loss_scaler is None and p.requires_grad:
+                raise ValueError(f"Invalid loss_scaler: parameter {i} (shape {tuple(p.shape)}) is float16, "
+                                 "whose small gradients flush to zero without loss scaling; pass loss_scaler="
+                                 "optbook.precision.DynamicLossScaler()")
+        layout = shard_layout(all_params, world_size, bucket_size=bucket_size,
+                              param_alignment=param_alignment, bucket_alignment=bucket_alignment)
+
+        # Nothing was changed up to here.
+        self._layout = None  # add_param_group is allowed while the base class builds the groups
+        super().__init__(groups, template.defaults)
+        del template
+        self.layout = layout
+        self._layout = layout
+        self.process_group = group
+        self.rank, self.world_size = rank, world_size
+        self.loss_scaler = loss_scaler
+        self.max_grad_norm = max_grad_norm
+        self.found_inf = False
+        self.skipped_steps = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self._consolidated: dict | None = None
+        self._params = all_params
+        self.device = next(iter(devices))
+
+        with torch.no_grad():
+            self.param_buffers: dict = {}
+            self.grad_buffers: dict = {}
+            for dtype, numel in layout.buffer_numel.items():
+                self.param_buffers[dtype] = torch.zeros(numel, dtype=dtype, device=self.device)
+                grad_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+                self.grad_buffers[dtype] = torch.zeros(numel, dtype=grad_dtype, device=self.device)
+            for r, p in zip(layout.params, all_params):
+                view = self.param_buffers[r.dtype][r.start:r.end]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(r.shape)
+            src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+            for buf in self.param_buffers.values():
+                if buf.numel():
+                    dist.broadcast(buf, src=src, group=group)
+            # float32 masters of this rank's shards of low-precision buckets (padding included, never stepped)
+            self.master_shards: dict[int, torch.Tensor] = {}
+            for b, bucket in enumerate(layout.buckets):
+                if bucket.dtype in _LOW_PRECISION:
+                    lo, hi = bucket.shard(rank)
+                    self.master_shards[b] = self.param_buffers[bucket.dtype][lo:hi].float()
+
+        self.pieces = layout.pieces(rank)
+        self._piece_params: list[torch.Tensor] = []  # the tensor the inner optimizer steps, per piece
+        self._piece_grads: list[torch.Tensor] = []   # its gradient: a view of the flat gradient buffer
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
+        group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
+        for piece in self.pieces:
+            dtype = layout.params[piece.index].dtype
+            lo, hi = piece.buffer_start, piece.buffer_start + piece.numel
+            if piece.bucket in self.master_shards:
+                offset = lo - layout.buckets[piece.bucket].shard(rank)[0]
+                target = self.master_shards[piece.bucket][offset:offset + piece.numel]
+            else:
+                target = self.param_buffers[dtype][lo:hi]
+            self._piece_params.append(target)
+            self._piece_grads.append(self.grad_buffers[dtype][lo:hi])
+            inner_groups[group_of[piece.index]]["params"].append(target)
+        self.optimizer = optimizer_class(inner_groups, **defaults)
+
+    # --- small helpers ----------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while constructing: the flat buffers cannot grow.
+
+        Raises:
+            NotImplementedError: after construction (build a new optimizer with every group instead).
+        """
+        if getattr(self, "_layout", None) is not None:
+            raise NotImplementedError("DistributedOptimizer.add_param_group: the flat buffers are laid out "
+                                      "at construction; build a new DistributedOptimizer with every group")
+        super().add_param_group(param_group)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale ``S`` (``1.0`` without a scaler)."""
+        from ..precision import _scaler_scale
+
+        return 1.0 if self.loss_scaler is None else _scaler_scale(self.loss_scaler)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` for ``backward()`` (a float16/bfloat16 loss is cast to float32 first).
+
+        Raises:
+            TypeError: ``loss`` is not a floating-point tensor.
+        """
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
+        return (loss.float() if loss.dtype in _LOW_PRECISION else loss) * self.loss_scale
+
+    def _param_view(self, index: int) -> torch.Tensor:
+        r = self.layout.params[index]
+        return self.param_buffers[r.dtype][r.start:r.end]
+
+    def _grad_view(self, index: int) -> torch.Tensor:
+        r = self.layout.params[index]
+        return self.grad_buffers[r.dtype][r.start:r.end]
+
+    def _shard(self, buffers: dict, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        lo, hi = bucket.shard(self.rank)
+        return buffers[bucket.dtype][lo:hi]
+
+    def reload_model_params(self) -> None:
+        """Copy this rank's pieces of the low-precision model parameters into their float32 masters (after
+        editing the model's weights in place, identically on every rank). Not a collective."""
+        with torch.no_grad():
+            for b, master in self.master_shards.items():
+                master.copy_(self._shard(self.param_buffers, b))
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds, measured from the real tensors.
+
+        Returns:
+            ``{"params": flat parameter buffers, "grads": flat gradient buffers, "master_params": float32
+            master shards, "optimizer_state": every tensor in the inner optimizer's state, "padding_elements":
+            padding elements in the parameter buffers, "numel": real parameter elements}`` (ints). The
+            model's own ``.grad`` tensors (freed by :meth:`zero_grad`) are not counted.
+        """
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        numel = sum(r.numel for r in self.layout.params)
+        return {"params": nbytes(self.param_buffers.values()), "grads": nbytes(self.grad_buffers.values()),
+                "master_params": nbytes(self.master_shards.values()), "optimizer_state": nbytes(state),
+                "padding_elements": sum(self.layout.buffer_numel.values()) - numel, "numel": numel}
+
+    # --- the step ---------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        """Everything :meth:`step` checks before writing: the loss scale, the hyperparameters (an optbook
+        ``optimizer_class``), each gradient (shape, dtype, device), each parameter still in its buffer."""
+        self.loss_scale  # noqa: B018 -- raises on a bad scale
+        if isinstance(self.optimizer, BookOptimizer):
+            for group in self.param_groups:
+                self.optimizer._check_hyperparameters(group)
+        i = 0
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                if p.numel() and p.data_ptr() != self._param_view(i).data_ptr():
+                    raise RuntimeError(f"{where} (shape {tuple(p.shape)}) no longer lives in the optimizer's "
+                                       "flat buffer (its .data was replaced, e.g. by model.to() or "
+                                       "load_state_dict(assign=True)); copy new values in place instead, "
+                                       "then build a new optimizer")
+                if p.grad is not None:
+                    check_grad(p, where)
+                i += 1
+
+    def _unscale_and_check(self, shard_grads: list[torch.Tensor]) -> bool:
+        """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``."""
+        for g in shard_grads:
+            g.div_(self.world_size)
+        if self.loss_scaler is None:
+            return bool(shard_grads) and not all_finite(shard_grads)
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=self.device)
+        by_dtype: dict = {}
+        for g in shard_grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
+        return bool(found.item())
+
+    @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
+    def step(self, closure=None) -> bool:
+        """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
+
+        Args:
+            closure: optional callable that recomputes the loss and calls ``backward`` (on
+                :meth:`scale_loss` of it with a loss scaler); run with gradients enabled, return value unused.
+
+        Returns:
+            ``True`` when the update was applied; ``False`` when some rank's gradients held ``inf``/``NaN``
+            (every rank skips: parameters, masters and state unchanged, the loss scaler updated once,
+            ``skipped_steps += 1``). Advance a learning-rate scheduler only on ``True``.
+
+        A parameter whose ``grad`` is ``None`` on some ranks contributes zeros from those ranks (the mean
+        still divides by the world size, as ``DistributedDataParallel``); one whose ``grad`` is ``None`` on
+        every rank is not stepped (no decay, no step count), as in ``optimizer_class``.
+
+        Raises:
+            ValueError, TypeError: a hyperparameter, the loss scale or a gradient (shape, dtype, device) is
+                invalid -- on **every** rank, even when only one rank's input is bad (the others raise a
+                ``ValueError`` naming that rank). Nothing has been written then: parameters, masters, state
+                and the ``.grad`` tensors are bitwise unchanged, and the ranks stay in step.
+            RuntimeError: a parameter no longer lives in the flat buffer (its ``.data`` was replaced).
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._consolidated = None
+        try:
+            self._validate()
+            error = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+        has_grad = [p.grad is not None for p in self._params]
+        # 1. the flat gradient of this rank (the model's .grad is only read)
+        for buf in self.grad_buffers.values():
+            buf.zero_()
+        if error is None:
+            for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
+                if p.grad is not None and r.numel:
+                    self._grad_view(i).view(r.shape).copy_(p.grad)
+        # 2. reduce-scatter (SUM) bucket by bucket: rank r receives its shard, in place
+        shard_grads = []
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                shard = self._shard(self.grad_buffers, b)
+                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                group=self.process_group)
+                shard_grads.append(shard)
+        # 3. mean, unscale, look for inf/NaN on this rank's shards
+        found_inf = self._unscale_and_check(shard_grads) if error is None else False
+        # 4. one small all-reduce (MAX): [failing rank + 1, found_inf, has_grad of every parameter]
+        status = torch.tensor([self.rank + 1 if error is not None else 0, float(found_inf), *has_grad],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+        status = status.tolist()
+        if error is not None:
+            raise error
+        if status[0]:
+            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
+                             "invalid input (see its error); nothing was changed on any rank")
+        found_inf = bool(status[1])
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self.found_inf = found_inf
+        if found_inf:
+            self.skipped_steps += 1
+            return False
+        # 5. the pieces' gradients; a parameter without a gradient on every rank is not stepped
+        stepped = []
+        for piece, target, grad in zip(self.pieces, self._piece_params, self._piece_grads):
+            target.grad = grad if status[2 + piece.index] else None
+            if target.grad is not None:
+                stepped.append(target)
+        # 6. clip by the norm over the group: each rank's pieces are its own (counted once)
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(stepped, self.max_grad_norm, group=self.process_group)
+        # 7. the inner step on this rank's shard, with the hyperparameters of param_groups
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.optimizer.step()
+        for target in self._piece_params:
+            target.grad = None
+        # 8. masters -> low-precision parameter shard; 9. all-gather the parameters
+        for b, master in self.master_shards.items():
+            self._shard(self.param_buffers, b).copy_(master)
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                            self._shard(self.param_buffers, b), group=self.process_group)
+        return True
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on group rank ``to`` (a collective), for :meth:`state_dict`.
+
+        Every rank sends its pieces' state (moved to the CPU) with ``torch.distributed.gather_object``; rank
+        ``to`` assembles it. The result is dropped at the next :meth:`step`.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not an int in ``0 .. world_size - 1`` (on every rank, before any
+                communication).
+        """
+        to = _check_int("to", to, 0)
+        if to >= self.world_size:
+            raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
+        local = []
+        for piece, target in zip(self.pieces, self._piece_params):
+            state = self.optimizer.state.get(target, {})
+            state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                     for k, v in state.items()}
+            master = target.detach().cpu().clone() if piece.bucket in self.master_shards else None
+            local.append((piece.index, piece.param_start, piece.param_end, state, master))
+        gathered = [None] * self.world_size if self.rank == to else None
+        world = self.process_group is dist.group.WORLD
+        dst = to if world else dist.get_global_rank(self.process_group, to)
+        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        self._consolidated = self._assemble(gathered) if self.rank == to else None
+
+    def _assemble(self, gathered: list) -> dict:
+        flat_state: dict[int, dict] = {}
+        masters: dict[int, torch.Tensor] = {}
+        for pieces in gathered:
+            for index, s, e, state, master in pieces:
+                r = self.layout.params[index]
+                entry = flat_state.setdefault(index, {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.shape == (e - s,):  # element-wise state
+                        entry.setdefault(key, torch.zeros(r.numel, dtype=value.dtype))[s:e] = value
+                    else:
+                        entry[key] = value  # the same on every piece (a step count)
+                if master is not None:
+                    masters.setdefault(index, torch.zeros(r.numel, dtype=master.dtype))[s:e] = master
+        for r in self.layout.params:  # every low-precision parameter has a master (zero elements included)
+            if r.dtype in _LOW_PRECISION:
+                masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
+        state = {}
+        for index in sorted(flat_state):
+            if flat_state[index]:
+                shape = self.layout.params[index].shape
+                state[index] = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
+                                    and v.numel() == self.layout.params[index].numel else v)
+                                for k, v in flat_state[index].items()}
+        param_groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            param_groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                                 "params": list(range(i, i + n))})
+            i += n
+        return {"state": state, "param_groups": param_groups,
+                "master_params": {k: v.view(self.layout.params[k].shape) for k, v in sorted(masters.items())},
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict:
+        """The consolidated state on the rank that :meth:`consolidate_state_dict` sent it to.
+
+        Returns:
+            The plain ``torch.optim`` layout -- ``{"state": {index: {"step": ..., "exp_avg": tensor of the
+            parameter's shape, ...}}, "param_groups": [{hyperparameters..., "params": [indices]}]}`` with
+            parameters numbered in param-group order (as ``torch.optim``, also when groups interleave
+            relative to ``model.parameters()``), state tensors on the CPU in the masters' dtype -- plus
+            ``"master_params"`` (``{index: float32 tensor}`` for float16/bfloat16 parameters),
+            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores.
+            It loads into the single-process ``optimizer_class`` (e.g. ``torch.optim.AdamW``) over the same
+            parameters, and into a DistributedOptimizer at any world size.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; "
+                               "call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
+                               "on that rank")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from the
+        single-process ``optimizer_class`` over the same parameters). Not a collective: call it on every
+        rank with the same dict; each rank keeps its own pieces.
+
+        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); ``master_params``,
+        when present, become the masters and are rounded into the model parameters; ``loss_scaler`` and
+        ``skipped_steps``, when present, are restored.
+
+        Raises:
+            TypeError, ValueError: not a dict with ``state`` and ``param_groups``; another number of groups or
+                of parameters per group; a state tensor or master whose shape differs from its parameter's; a
+                loss-scaler state without a scaler, or one the scaler refuses. All found before anything is
+                loaded.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from "
+                            "DistributedOptimizer.state_dict() or a torch.optim optimizer's state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
+        index_of, i = {}, 0
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
+            for saved_id in saved["params"]:
+                index_of[saved_id] = i
+                i += 1
+        state: dict[int, dict] = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in index_of:
+                raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
+                                 "lists")
+            index = index_of[saved_id]
+            shape = self.layout.params[index].shape
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
+                    raise ValueError(f"Invalid state_dict: state[{saved_id!r}][{key!r}] has shape "
+                                     f"{tuple(value.shape)}, its parameter {tuple(shape)}")
+            state[index] = entry
+        masters = {}
+        for saved_id, value in (state_dict.get("master_params") or {}).items():
+            index = index_of.get(saved_id)
+            if (index is None or not isinstance(value, torch.Tensor)
+                    or value.shape != self.layout.params[index].shape):
+                raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a "
+                                 "parameter's shape")
+            masters[index] = value
+        scaler_state = state_dict.get("loss_scaler")
+        if scaler_state is not None:
+            if self.loss_scaler is None:
+                raise ValueError("Invalid state_dict: it holds a loss scaler state, but this optimizer has "
+                                 "no loss_scaler")
+            copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)  # refuses before any write
+        skipped = state_dict.get("skipped_steps", self.skipped_steps)
+        skipped = _check_int("state_dict['skipped_steps']", skipped, 0)
+
+        # The inner optimizer's own state dict: this rank's pieces, numbered in its group order.
+        inner_state, inner_groups, k = {}, [], 0
+        owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        pieces_of_group: list[list[int]] = [[] for _ in self.param_groups]
+        for n, piece in enumerate(self.pieces):
+            pieces_of_group[owner_group[piece.index]].append(n)
+        order = [n for ns in pieces_of_group for n in ns]
+        for gi, ns in enumerate(pieces_of_group):
+            hyper = {key: v for key, v in saved_groups[gi].items() if key != "params"}
+            inner_groups.append({**hyper, "params": list(range(k, k + len(ns)))})
+            k += len(ns)
+        for k, n in enumerate(order):
+            piece = self.pieces[n]
+            if piece.index in state:
+                inner_state[k] = {key: (v.reshape(-1)[piece.param_start:piece.param_end].clone()
+                                        if isinstance(v, torch.Tensor) and v.dim() > 0 else copy.deepcopy(v))
+                                  for key, v in state[piece.index].items()}
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for gi, group in enumerate(self.param_groups):
+            group.update(copy.deepcopy({key: v for key, v in saved_groups[gi].items() if key != "params"}))
+        if scaler_state is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
+        self.skipped_steps = skipped
+        with torch.no_grad():
+            for index, value in masters.items():
+                self._param_view(index).copy_(value.reshape(-1))  # every rank rounds the whole master
+            for piece, target in zip(self.pieces, self._piece_params):
+                if piece.index in masters:
+                    target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
+        self._consolidated = None
