@@ -99,3 +99,21 @@ def test_init_from_env_names_the_missing_variables(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         init_from_env()
+
+
+def test_a_process_that_fails_to_start_reports_its_own_error(monkeypatch):
+    # The second process's start() raises: launch must re-raise that error, not "can only join a started
+    # process" from stopping the processes that never started.
+    import multiprocessing.context
+
+    real_start, calls = multiprocessing.context.SpawnProcess.start, []
+
+    def start(self):
+        calls.append(self)
+        if len(calls) == 2:
+            raise OSError("cannot start the second process")
+        return real_start(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="cannot start the second process"):
+        launch(raise_on_rank, 2, bad_rank=5, timeout=20.0)

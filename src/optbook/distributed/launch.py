@@ -122,6 +122,7 @@ def _failure_report(rank: int, world_size: int, trace: str, results, wait: float
 
 
 def _stop(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # only those started (a failed start must not hide its error)
     for p in procs:
         if p.is_alive():
             p.terminate()
