@@ -264,6 +264,22 @@ def _scaler_scale(loss_scaler) -> float:
         raise TypeError(f"{e}; a loss scaler's scale must be a Python float") from None
 
 
+def _check_loss_scaler(loss_scaler) -> None:
+    """``None``, or an object with ``scale`` (finite, ``> 0``), ``update``, ``state_dict``, ``load_state_dict``.
+
+    Raises:
+        TypeError: a method or attribute is missing (named in the message).
+        ValueError: the scale is not finite and ``> 0``.
+    """
+    if loss_scaler is None:
+        return
+    lacking = [a for a in ("scale", "update", "state_dict", "load_state_dict") if not hasattr(loss_scaler, a)]
+    if lacking:
+        raise TypeError(f"Invalid loss_scaler: expected None or a loss scaler (scale, update, state_dict, "
+                        f"load_state_dict), got a {type(loss_scaler).__name__} without {', '.join(lacking)}")
+    _scaler_scale(loss_scaler)
+
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Step a float16/bfloat16 model with an optimizer that updates float32 master weights.
 
@@ -332,12 +348,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
                              "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
-        if loss_scaler is not None:
-            lacking = [a for a in ("scale", "update", "state_dict", "load_state_dict") if not hasattr(loss_scaler, a)]
-            if lacking:
-                raise TypeError(f"Invalid loss_scaler: expected None or a loss scaler (scale, update, state_dict, "
-                                f"load_state_dict), got a {type(loss_scaler).__name__} without {', '.join(lacking)}")
-            _scaler_scale(loss_scaler)
+        _check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         check_bool("check_for_nonfinite", check_for_nonfinite)

@@ -282,15 +282,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "element by element, so it cannot step a shard that cuts through a matrix; use "
                              "AdamW, Adam, SGD or Lion (whole-matrix optimizers need ownership of whole "
                              "matrices, chapter 14)")
-        if loss_scaler is not None:
-            needed = ("scale", "update", "state_dict", "load_state_dict")
-            lacking = [a for a in needed if not hasattr(loss_scaler, a)]
-            if lacking:
-                raise TypeError(f"Invalid loss_scaler: a {type(loss_scaler).__name__} without "
-                                f"{', '.join(lacking)}")
-            from ..precision import _scaler_scale
+        from ..precision import _check_loss_scaler
 
-            _scaler_scale(loss_scaler)
+        _check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         group = dist.group.WORLD if process_group is None else process_group
