@@ -19,7 +19,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup book student test site-test nbval portability notebooks bench sweep clean
+.PHONY: setup book student pdf test site-test nbval portability notebooks bench sweep clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,15 @@ student: setup
 	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/student/src/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build _build/student/src --path-output _build/student --warningiserror --keep-going
+
+# The whole book as one PDF without LaTeX: the single-page HTML build, typeset by MathJax and printed by
+# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf.
+pdf: setup
+	mkdir -p _build
+	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/_config.yml
+	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
+	  $(BIN)/jupyter-book build . --config _build/_config.yml --builder singlehtml --warningiserror --keep-going
+	$(BIN)/python tools/build_pdf.py
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
