@@ -14,7 +14,8 @@ import torch
 
 from optbook.distributed import launch
 from optbook.distributed.workers import memory_chapter
-from optbook.memory import MemoryConfig, OffloadOptimizer, ledger, measure, most_loaded_shard, peak_device_bytes
+from optbook.memory import (MemoryConfig, OffloadOptimizer, ledger, measure, most_loaded_shard,
+                            peak_device_bytes)
 from optbook.optim import AdamW, ChainedOptimizer, Muon
 from optbook.precision import MixedPrecisionOptimizer
 
@@ -24,7 +25,8 @@ BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 # --- the predicted ledger -------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [1, 2, 8, 64])   # powers of two: every 1/d below is exact in binary
 def test_megatron_bytes_per_parameter_table(d):
-    rows = [(dict(), 18, 6 + 12 / d), (dict(grad_dtype=torch.float16, param_dtype=torch.float16), 20, 4 + 16 / d),
+    fp16 = dict(grad_dtype=torch.float16, param_dtype=torch.float16)
+    rows = [(dict(), 18, 6 + 12 / d), (fp16, 20, 4 + 16 / d),
             (dict(param_dtype=F32), 16, 8 + 8 / d)]
     for cfg, ddp, zero1 in rows:
         assert ledger(1, dp=d, **cfg).bytes_per_param == ddp
@@ -102,8 +104,8 @@ def test_bad_ledger_arguments():
 # --- measured vs predicted --------------------------------------------------------------------------------
 def mlp(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 4)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * 0.5)
@@ -162,7 +164,7 @@ def test_measured_muon_and_chained():
     backward(model, 0)
     opt.step()
     measured = measured_roles(opt)
-    measured["grads"] = sum(p.grad.numel() * 2 for p in matrices)            # the 1-D params' grads are not its
+    measured["grads"] = sum(p.grad.numel() * 2 for p in matrices)   # (the biases' grads are not Muon's)
     assert measured == predicted_roles(ledger(n, optimizer="muon", grad_dtype=BF16))
 
     model = mlp(F32)
@@ -187,8 +189,8 @@ def test_measured_distributed_optimizer_two_ranks():
         assert {k: exact["bytes"][k] for k in expected} == expected
         # Megatron's alignments: the prediction on the padded buffer and this rank's shard
         b = megatron["bytes"]
-        assert (b["params"], b["grads"], b["master"]) == (2 * megatron["buffer_numel"], 4 * megatron["buffer_numel"],
-                                                          4 * megatron["shard_numel"])
+        B, S = megatron["buffer_numel"], megatron["shard_numel"]
+        assert (b["params"], b["grads"], b["master"]) == (2 * B, 4 * B, 4 * S)
         assert b["state"] == 8 * megatron["state_numel"]
     assert reports[0]["megatron"]["state_numel"] + reports[1]["megatron"]["state_numel"] == 85002
 
@@ -234,7 +236,8 @@ def test_offload_equals_plain_adamw_bitwise_in_float64(cls):
     assert steps == [6, 6, 6, 6, 6, 5]
     # the one state dict per parameter is the one its inner optimizer uses
     host_param = opt.master_params()[0]
-    owner = next(o for o in opt.host_optimizers if any(host_param is x for g in o.param_groups for x in g["params"]))
+    owner = next(o for o in opt.host_optimizers
+                 if any(host_param is x for g in o.param_groups for x in g["params"]))
     assert owner.state[host_param] is opt.state[next(model.parameters())]
 
 
@@ -355,7 +358,8 @@ def test_offload_state_dict_resumes_bitwise(dtype):
         assert torch.equal(p, q)
     host = resumed.master_params()[0]
     assert resumed.state[next(resumed_model.parameters())]["exp_avg"].dtype == host.dtype
-    owner = next(o for o in resumed.host_optimizers if any(host is x for g in o.param_groups for x in g["params"]))
+    owner = next(o for o in resumed.host_optimizers
+                 if any(host is x for g in o.param_groups for x in g["params"]))
     assert owner.state[host] is resumed.state[next(resumed_model.parameters())]
     with pytest.raises(ValueError, match="master_params"):
         resumed.load_state_dict({k: v for k, v in saved.items() if k != "master_params"})

@@ -60,7 +60,8 @@ def _check_dtype(name: str, value, allowed=_FLOATS, none_ok: bool = False):
         return None
     if not isinstance(value, torch.dtype) or value not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        raise TypeError(f"Invalid {name}: expected {'None or ' if none_ok else ''}one of {names}, got {value!r}")
+        prefix = "None or " if none_ok else ""
+        raise TypeError(f"Invalid {name}: expected {prefix}one of {names}, got {value!r}")
     return value
 
 
@@ -106,7 +107,8 @@ class MemoryConfig:
     """What one rank keeps for the optimizer step (the arguments of :func:`ledger`).
 
     Args:
-        optimizer: ``"adamw"``, ``"adam"`` (2 state tensors), ``"muon"``, ``"sgd"`` (momentum), ``"lion"`` (1).
+        optimizer: ``"adamw"``, ``"adam"`` (2 state tensors), ``"muon"``, ``"sgd"`` (momentum),
+            ``"lion"`` (1 state tensor).
         sharding: ``"none"`` (data parallel: every rank holds all optimizer state), ``"zero1"`` (Megatron's
             distributed optimizer: master, main gradient and state split over ``dp`` ranks, element-wise
             optimizers only) or ``"layerwise"`` (whole matrices owned by one rank each; counted as an even
@@ -141,13 +143,14 @@ class MemoryConfig:
 
     def __post_init__(self):
         if self.optimizer not in STATE_TENSORS:
-            raise ValueError(f"Invalid optimizer: expected one of {sorted(STATE_TENSORS)}, got {self.optimizer!r}")
+            raise ValueError(f"Invalid optimizer: expected one of {sorted(STATE_TENSORS)}, "
+                             f"got {self.optimizer!r}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"Invalid sharding: expected one of {SHARDINGS}, got {self.sharding!r}")
         if self.sharding == "zero1" and self.optimizer == "muon":
-            raise ValueError("Invalid sharding: 'zero1' splits the state element-wise, through matrices, and Muon "
-                             "orthogonalises whole matrices; use sharding='layerwise' (Megatron-LM rewrites "
-                             "--use-distributed-optimizer with Muon to its layer-wise optimizer)")
+            raise ValueError("Invalid sharding: 'zero1' splits the state element-wise, through matrices, and "
+                             "Muon orthogonalises whole matrices; use sharding='layerwise' (Megatron-LM "
+                             "rewrites --use-distributed-optimizer with Muon to its layer-wise optimizer)")
         _check_int("dp", self.dp, 1)
         _check_dtype("param_dtype", self.param_dtype)
         _check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
@@ -223,7 +226,7 @@ class Component:
 
 @dataclass(frozen=True)
 class Ledger:
-    """Predicted bytes of one rank, by component (the rows of eq. (16.x) in chapter 16).
+    """Predicted bytes of one rank, by component (the rows of :func:`ledger`'s formula; chapter 16).
 
     Rows: ``params`` (the model's parameters), ``grads`` (the gradient buffer), ``master`` (float32
     masters), ``main_grads`` (the float32 copy of a low-precision gradient the update reads), ``state``
@@ -429,7 +432,8 @@ def measure(optimizer) -> Measured:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"Invalid optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(f"Invalid optimizer: expected a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")
     out = Measured()
     _measure(optimizer, out, set())
     return out
@@ -472,6 +476,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     On a GPU (``device`` CUDA, ``host="cpu"``) the staging buffers are pinned and the copies
     non-blocking; the device is synchronised once before the host steps. On a CPU-only machine both sides
     are the CPU: the data flow, the byte counts and the arithmetic are the same, only nothing crosses a bus.
+    The host gradient buffers are allocated once and kept between steps (as Megatron's pinned gradient
+    buffers); :meth:`zero_grad` clears the model's gradients.
 
     Args:
         params: tensors or param-group dicts, as for ``optimizer_class``.
@@ -536,8 +542,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     inner = p.detach().to(host, torch.float32 if low else p.dtype, copy=True)
                     inner.grad = torch.empty(inner.shape, dtype=inner.dtype, device=host, pin_memory=pin)
                     if low:
-                        self._staging[p] = tuple(torch.empty(p.shape, dtype=p.dtype, device=host, pin_memory=pin)
-                                                 for _ in range(2))
+                        self._staging[p] = tuple(torch.empty(p.shape, dtype=p.dtype, device=host,
+                                                             pin_memory=pin) for _ in range(2))
                     self._inner[p] = inner
                 elif low:
                     self._inner[p] = p.detach().to(torch.float32, copy=True)
@@ -575,16 +581,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 self.device_optimizer = opt
         # One state dict per parameter, shared with the optimizer that steps it.
+        model_of = {id(self._inner.get(p, p)): p for p in self._params}
         for opt, _ in self._subs:
             for g in opt.param_groups:
                 for q in g["params"]:
-                    opt.state[q] = self.state[self._model_of(q)]
-
-    def _model_of(self, inner: torch.Tensor) -> torch.Tensor:
-        for p in self._params:
-            if self._inner.get(p, p) is inner:
-                return p
-        raise KeyError("not an inner parameter")  # pragma: no cover
+                    opt.state[q] = self.state[model_of[id(q)]]
 
     # --- the step ---------------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -599,7 +600,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if any(getattr(opt, "refuse_nonfinite_grads", False) for opt in books):
             grads = [p.grad for p in self._params if p.grad is not None and p.numel()]
             if grads and not all_finite(grads):
-                raise ValueError("Non-finite gradient: skip this step (see the loss scaler); nothing was changed")
+                raise ValueError("Non-finite gradient: skip this step (see the loss scaler); "
+                                 "nothing was changed")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -648,7 +650,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for p, staging in self._staging.items():
             if p.grad is not None:
                 self._inner[p].grad.copy_(staging[0])
-        # A host parameter without a gradient this step must not be stepped (as the device optimizer skips it).
+        # A host parameter without a gradient this step is not stepped (as the device optimizer skips it).
         hidden = {}
         for p, off in zip(self._params, self.offloaded):
             if off and p.grad is None:
@@ -677,7 +679,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def master_params(self) -> list[torch.Tensor]:
-        """The tensor each parameter is stepped on (host copy, device master, or the parameter), group order."""
+        """The tensor each parameter is stepped on (host copy, device master or itself), in group order."""
         return [self._inner.get(p, p) for p in self._params]
 
     def state_dict(self) -> dict:
@@ -700,7 +702,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         for key in ("state", "param_groups", "master_params"):
             if key not in state_dict:
-                raise ValueError(f"Invalid state_dict: missing {key!r} (expected an OffloadOptimizer state dict)")
+                raise ValueError(f"Invalid state_dict: missing {key!r} (expected an OffloadOptimizer "
+                                 "state dict)")
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("Invalid state_dict: its parameter groups differ in number or size from this "
@@ -708,7 +711,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         masters = state_dict["master_params"]
         targets = self.master_params()
         if len(masters) != len(targets) or any(a.shape != b.shape for a, b in zip(masters, targets)):
-            raise ValueError("Invalid state_dict: master_params differ in number or shape from this optimizer's")
+            raise ValueError("Invalid state_dict: master_params differ in number or shape from this "
+                             "optimizer's")
         with torch.no_grad():
             for g, sg in zip(self.param_groups, saved):
                 g.update({k: v for k, v in sg.items() if k != "params"})
@@ -729,5 +733,5 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         n_off = sum(p.numel() for p, off in zip(self._params, self.offloaded) if off)
         n = sum(p.numel() for p in self._params)
-        return (f"OffloadOptimizer({self.optimizer_class.__name__}, host={self.host}, offloaded {n_off} of {n} "
-                f"elements in {len(self.host_optimizers)} host sub-groups)")
+        return (f"OffloadOptimizer({self.optimizer_class.__name__}, host={self.host}, offloaded {n_off} "
+                f"of {n} elements in {len(self.host_optimizers)} host sub-groups)")

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker",
-           "memory_chapter", "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip",
-           "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "memory_chapter", "raise_on_rank",
+           "sharded_clip_worker", "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads",
+           "zero1_padding_clip", "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite",
+           "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
