@@ -9,8 +9,8 @@ fp32 gradients, 20 / 4 + 16/d for fp16 gradients, 16 / 8 + 8/d for fp32 paramete
 ``megatron/training/theoretical_memory_usage.py`` (the parameters of the most-loaded model-parallel rank)
 and ``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py`` (``HybridDeviceOptimizer``: part of
 the step on the CPU); Ren et al. (2021), "ZeRO-Offload: Democratizing Billion-Scale Model Training"
-(USENIX ATC 21, arXiv:2101.06840), Sec. 4 (fp32 optimizer states and the update on the CPU, fp16
-gradients down and parameters up). The code here is our own.
+(USENIX ATC 21, arXiv:2101.06840: fp32 optimizer states and the update on the CPU, fp16 gradients down
+and parameters up). The code here is our own.
 
 Three things, one concept (where the bytes of a training step live):
 
