@@ -335,6 +335,9 @@ def test_offload_bad_construction_is_named(kwargs, exc, name):
         OffloadOptimizer(mlp(F32).parameters(), AdamW, **kwargs)
     with pytest.raises(TypeError, match="optimizer_class"):
         OffloadOptimizer(mlp(F32).parameters(), dict)
+    opt = OffloadOptimizer(mlp(F32).parameters(), AdamW)
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
 
 
 @pytest.mark.parametrize("dtype", [F64, BF16])

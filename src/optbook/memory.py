@@ -516,6 +516,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             _check_int("sub_group_numel", sub_group_numel, 1)
         template = optimizer_class(params, **defaults)   # checks params and hyperparameters
         groups = template.param_groups
+        self._built = False   # add_param_group is allowed while the base class builds the groups
         super().__init__(groups, template.defaults)
         del template
         self.optimizer_class = optimizer_class
@@ -586,6 +587,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for g in opt.param_groups:
                 for q in g["params"]:
                     opt.state[q] = self.state[model_of[id(q)]]
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while constructing: the host copies and inner optimizers are built once.
+
+        Raises:
+            NotImplementedError: after construction (build a new optimizer with every group instead).
+        """
+        if getattr(self, "_built", False):
+            raise NotImplementedError("OffloadOptimizer.add_param_group: host copies and inner optimizers are "
+                                      "built at construction; build a new OffloadOptimizer with every group")
+        super().add_param_group(param_group)
 
     # --- the step ---------------------------------------------------------------------------------------
     def _validate(self) -> None:
