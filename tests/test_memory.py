@@ -40,6 +40,10 @@ def test_components_of_bf16_adamw():
     assert led.total_bytes == 9000 and led.optimizer_state_bytes == 3000
     assert ledger(1, state_dtype=BF16).bytes_per_param == 2 + 4 + 4 + 4       # reduced-precision moments
     assert ledger(1, optimizer="muon").bytes_per_param == 2 + 4 + 4 + 4       # one momentum buffer
+    # bfloat16 without masters: the state takes the parameters' dtype, there is no main gradient
+    assert ledger(1, master_weights=False).bytes_per_param == 2 + 4 + 2 * 2
+    assert ledger(1, master_weights=False, grad_dtype=BF16).bytes_per_param == 2 + 2 + 2 * 2
+    assert ledger(1, param_dtype=F64).bytes_per_param == 8 + 8 + 2 * 8
 
 
 def test_most_loaded_shard():
