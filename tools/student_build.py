@@ -31,7 +31,7 @@ OUT = ROOT / "_build" / "student" / "src"
 COPY = ["_config.yml", "_toc.yml", "_static", "_ext"]
 
 # A fenced MyST admonition titled Solution, with a colon fence of 3+ colons, up to its closing fence.
-ADMONITION_RE = re.compile(r"(?ms)^(?P<fence>:{3,})\{admonition\}\s*Solution\b.*?^(?P=fence)[ \t]*\n?")
+ADMONITION_RE = re.compile(r"(?ms)^(?P<fence>:{3,})\{admonition\}\s*Solutions?\b.*?^(?P=fence)[ \t]*\n?")
 CODE_MARKERS = ("# Solution", "# Checks of the numbers quoted in the solutions")
 POINTER_RE = re.compile(r"(?m)^The solutions are below[^\n]*\n?")
 
