@@ -370,7 +370,7 @@ def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int =
 
     Returns:
         ``{mode: this rank's block of the result}`` for the three modes, plus ``"comm_bytes"``: ``{mode:
-        bytes}``.
+        bytes}``, and ``"G"``: the whole matrix.
     """
     from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 
@@ -385,6 +385,7 @@ def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int =
                                                   comm_bytes=counted)
         comm[mode] = sum(counted.values())
     out["comm_bytes"] = comm
+    out["G"] = G
     return out
 
 
