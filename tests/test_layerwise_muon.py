@@ -18,10 +18,24 @@ import pytest
 import torch
 
 from optbook import newton_schulz
-from optbook.distributed import (LayerWiseMuon, launch, lpt_assign, ns_cost, rank_loads, round_robin_assign,
-                                 zero1_comm_bytes)
-from optbook.distributed.muon_workers import (MUON_SUITE_GROUPS, chain_reference, layerwise_raise_mid_run,
-                                              muon_mean_grads, muon_problem, muon_reference, muon_suite)
+from optbook.distributed import (
+    LayerWiseMuon,
+    launch,
+    lpt_assign,
+    ns_cost,
+    rank_loads,
+    round_robin_assign,
+    zero1_comm_bytes,
+)
+from optbook.distributed.muon_workers import (
+    MUON_SUITE_GROUPS,
+    chain_reference,
+    layerwise_raise_mid_run,
+    muon_mean_grads,
+    muon_problem,
+    muon_reference,
+    muon_suite,
+)
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +179,8 @@ def test_a_checkpoint_from_another_world_size_continues_bit_for_bit(runs, world_
 
 
 def test_the_consolidated_checkpoint_loads_into_single_process_muon(runs):
-    from optbook.optim import Muon
-
     from optbook.distributed.muon_workers import MUON_OPTIONS, _set_grads
+    from optbook.optim import Muon
 
     checkpoint = runs[2][-1]["layerwise"]["checkpoint"]
     params = [p.clone().requires_grad_() for p in muon_reference(4)]

@@ -12,11 +12,11 @@ notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT 
 """
 
 from .launch import init_from_env, launch
-from .zero1 import DistributedOptimizer, shard_layout
 from .layerwise_muon import (DistributedChain, DistributedMuon, LayerWiseMuon, lpt_assign, ns_cost, rank_loads,
                              round_robin_assign, zero1_comm_bytes)
 from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
+from .zero1 import DistributedOptimizer, shard_layout
 
-__all__ = ["DistributedChain", "DistributedMuon", "DistributedOptimizer", "LayerWiseMuon", "TP_MODES",
+__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "LayerWiseMuon",
            "init_from_env", "launch", "lpt_assign", "ns_cost", "rank_loads", "round_robin_assign", "shard_layout",
            "tensor_parallel_newton_schulz", "zero1_comm_bytes"]

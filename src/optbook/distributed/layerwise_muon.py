@@ -537,9 +537,13 @@ class DistributedMuon(Muon):
         W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
         W = all_gather(W_r)                                      as ZeRO-1
 
+    A teaching implementation: the flat parameter and gradient buffers are copies (the parameters are not
+    views of them, as in ``DistributedOptimizer``), and every rank orthogonalises each matrix it holds a piece
+    of (a matrix cut by a shard boundary is orthogonalised on every rank that holds a piece of it).
+
     Attributes:
         layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
-        state: ``{"momentum_shard": {param index: 1-D tensor of the piece}}`` -- ``1/d`` of Muon's state.
+        momentum_shard: ``{param index: 1-D tensor of this rank's piece}`` -- ``1/d`` of Muon's state.
         comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
             :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
         last_grad_norm: the global norm of the mean gradient at the last step (0-dim float64 tensor).

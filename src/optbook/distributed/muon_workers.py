@@ -8,15 +8,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["MUON_SUITE_GROUPS", "chain_problem", "chain_reference", "chain_train", "layerwise_bad_input",
-           "layerwise_raise_mid_run", "layerwise_train", "moonlight_train", "muon_chapter", "muon_grads",
-           "muon_mean_grads", "muon_problem", "muon_reference", "muon_suite", "tp_modes", "transformer_comm"]
+__all__ = [
+    "MUON_OPTIONS",
+    "MUON_SUITE_GROUPS",
+    "chain_problem",
+    "chain_reference",
+    "chain_train",
+    "chapter_transformer",
+    "layerwise_bad_input",
+    "layerwise_raise_mid_run",
+    "layerwise_train",
+    "moonlight_train",
+    "muon_chapter",
+    "muon_grads",
+    "muon_mean_grads",
+    "muon_problem",
+    "muon_reference",
+    "muon_suite",
+    "tp_modes",
+    "transformer_comm",
+]
 
 #: The process groups of :func:`muon_suite` on 4 processes: world size -> global ranks.
 MUON_SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
 
 #: Muon hyperparameters of the equivalence runs: float64 Newton–Schulz, so differences are rounding only.
-MUON_OPTIONS = dict(lr=0.02, momentum=0.95, nesterov=True, ns_dtype=torch.float64)
+MUON_OPTIONS = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_dtype": torch.float64}
 
 
 def _gen(seed: int) -> torch.Generator:
