@@ -169,6 +169,10 @@ def test_chain_clips_muon_and_adamw_by_one_global_norm_of_the_raw_mean_gradients
         assert max(abs(a - b) / b for a, b in zip(ch["norms"], ref["norms"])) < 1e-12
         assert min(ref["norms"]) > 3.0  # the clip (max norm 3) acted on every step
         assert max(float((a - b).abs().max()) for a, b in zip(ch["params"], ref["params"])) < 1e-12
+        assert ch["lrs"] == [0.01, 0.005]  # Muon's group (0.02) and AdamW's (0.01), halved by one scheduler
+        assert "max_grad_norm=None" in ch["errors"]["own_norm"][1]
+        assert ch["errors"]["not_layerwise"][0] == "TypeError"
+        assert "max_grad_norm" in ch["errors"]["max_grad_norm"][1]
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

@@ -204,7 +204,8 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     """:class:`~optbook.distributed.DistributedChain` of LayerWiseMuon and DistributedOptimizer(AdamW), clip at
     3.0 (active: the norms are about 20), on each rank's gradients. Returns ``{"params", "norms",
     "raw_norm_check"}`` where ``raw_norm_check`` is the norm of the *mean raw* gradients at step 0 computed
-    here from :func:`_chain_mean_grads` (what the chain's first norm must equal)."""
+    here from :func:`_chain_mean_grads` (what the chain's first norm must equal); ``"lrs"``: every group's lr
+    after one step of ``LambdaLR(chain, 0.5 ** s)``; ``"errors"``: what three bad constructions raised."""
     from ..clipping import get_grad_norm
     from .layerwise_muon import DistributedChain, LayerWiseMuon
     from .zero1 import DistributedOptimizer
@@ -224,8 +225,22 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     mg, og = _chain_mean_grads(fresh_m, fresh_o, 0, seed)
     _set_grads(fresh_m, mg)
     _set_grads(fresh_o, og)
+    # one scheduler drives both members; constructor errors
+    sched = torch.optim.lr_scheduler.LambdaLR(chain, lambda s: 0.5 ** s)
+    sched.step()
+    lrs = [g["lr"] for g in chain.param_groups]
+    errors = {}
+    for name, make in [("own_norm", lambda: DistributedChain(
+                            LayerWiseMuon(matrices[:1], process_group=group, max_grad_norm=1.0), adamw)),
+                       ("not_layerwise", lambda: DistributedChain(adamw, adamw)),
+                       ("max_grad_norm", lambda: DistributedChain(muon, adamw, max_grad_norm=-1.0))]:
+        try:
+            make()
+            errors[name] = None
+        except (TypeError, ValueError) as e:
+            errors[name] = (type(e).__name__, str(e))
     return {"params": [p.detach().clone() for p in matrices + others], "norms": norms,
-            "raw_norm_check": float(get_grad_norm(fresh_m + fresh_o))}
+            "raw_norm_check": float(get_grad_norm(fresh_m + fresh_o)), "lrs": lrs, "errors": errors}
 
 
 # --- bad input and failures -----------------------------------------------------------------------------------
