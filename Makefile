@@ -19,7 +19,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup book test site-test nbval portability notebooks bench sweep clean
+.PHONY: setup book student pdf test site-test nbval portability notebooks bench sweep clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,23 @@ book: setup
 	sed 's/^\(  execute_notebooks:\).*/\1 "$(EXECUTE)"/' _config.yml > _build/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
+
+# The book without solutions, for students: tools/student_build.py writes _build/student/src (solution
+# drop-downs, solution cells and the hidden checks of quoted answers removed); built into _build/student/_build/html.
+student: setup
+	$(BIN)/python tools/student_build.py
+	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/student/src/_config.yml
+	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
+	  $(BIN)/jupyter-book build _build/student/src --path-output _build/student --warningiserror --keep-going
+
+# The whole book as one PDF without LaTeX: the single-page HTML build, typeset by MathJax and printed by
+# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf.
+pdf: setup
+	mkdir -p _build
+	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/_config.yml
+	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
+	  $(BIN)/jupyter-book build . --config _build/_config.yml --builder singlehtml --warningiserror --keep-going
+	$(BIN)/python tools/build_pdf.py
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup

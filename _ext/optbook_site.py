@@ -1,5 +1,13 @@
-"""A fix to the HTML that Jupyter Book 1's stack emits, so that a page logs no error in a browser
-(tests/test_site.py opens every page in headless Chromium and fails on any severe console message).
+"""Two fixes to the HTML that Jupyter Book 1's stack emits (tests/test_site.py checks both in headless
+Chromium).
+
+**Alt text.** myst-nb gives a figure made by a code cell the image's file name as its alt text
+(``_images/8f3b....png``), which is all a screen reader announces. Every figure in the book has a caption
+(set in the cell's ``mystnb.figure`` metadata), so an image whose alt text is its own file name gets the
+caption of its figure instead.
+
+**Scripts written twice**, so that a page logs no error in a browser (the test fails on any severe
+console message).
 
 Each inline ``<script>`` added after the HTML builder starts (sphinx-thebe's ``const THEBE_JS_URL = ...``,
 sphinx-togglebutton's selector) is written twice, and the second ``const`` raises "Identifier
@@ -32,6 +40,21 @@ def dedupe_scripts(app, pagename, templatename, context, doctree):
     scripts[:] = unique  # the builder's own list: it restores its copy before the next page
 
 
+def caption_alt_text(app, doctree, docname):
+    from docutils import nodes
+
+    for figure in doctree.findall(nodes.figure):
+        captions = [c for c in figure.children if isinstance(c, nodes.caption)]
+        if not captions:
+            continue
+        text = " ".join(captions[0].astext().split())
+        for image in figure.findall(nodes.image):
+            alt, uri = image.get("alt", ""), image.get("uri", "")
+            if not alt or alt == uri or alt.startswith("_images/") or alt.rsplit("/", 1)[-1] == uri.rsplit("/", 1)[-1]:
+                image["alt"] = text
+
+
 def setup(app):
+    app.connect("doctree-resolved", caption_alt_text)
     app.connect("html-page-context", dedupe_scripts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -4,7 +4,9 @@ Builds nothing: it serves ``_build/html`` (``make book``) on localhost from a th
 Debian's ``chromium`` through Selenium and Debian's ``chromedriver`` (nothing is downloaded; the browser
 cannot resolve any host but localhost, so the pages must work offline). Per page: no severe console
 message (JavaScript errors, failed loads), MathJax has typeset every formula without an error node, every
-``<img>`` loaded with a non-zero natural size, and the repository, launch (Colab, Binder) and download
+``<img>`` loaded with a non-zero natural size, every figure's image has alt text (its caption, not its
+file name), no code or output block is wider than its box (long lines wrap; chapter 7 also in a
+phone-sized window), and the repository, launch (Colab, Binder) and download
 buttons are present with the URL set in ``_config.yml``. Also: the search page finds "Newton", and every
 internal link and anchor of every built page resolves (this one needs no browser). Screenshots of two pages
 go to ``_build/test-artifacts/``.
@@ -190,6 +192,29 @@ def _hrefs(driver, selector: str) -> list[str]:
     return driver.execute_script(script, selector)
 
 
+def _bad_alt(driver) -> list[str]:
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('figure img')).map(i => i.getAttribute('alt') || '')"
+        ".filter(a => a.trim().length < 10 || a.startsWith('_images/') || /\\.(png|svg|jpg)$/.test(a))")
+
+
+def _overflowing_code(driver) -> list[str]:
+    """Code and output blocks wider than their box (text cut off or behind a horizontal scroll bar)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('div.cell_input pre, div.cell_output pre, div.highlight pre'))"
+        ".filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.split('\\n')[0].slice(0, 60))")
+
+
+def test_code_wraps_in_a_narrow_window(browser, server):
+    """A phone-sized window: the longest code lines of chapter 7 wrap instead of being cut off."""
+    browser.set_window_size(480, 900)
+    try:
+        _open(browser, urljoin(server, "book/07_muon_at_scale.html"))
+        assert _overflowing_code(browser) == []
+    finally:
+        browser.set_window_size(1280, 900)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_page_in_browser(page, browser, server):
     url = urljoin(server, f"{page}.html")
@@ -216,6 +241,8 @@ def test_page_in_browser(page, browser, server):
         problems.append(f"MathJax did not typeset the page: {math}")
 
     problems += [f"image not loaded or of size 0: {src}" for src in images["bad"]]
+    problems += [f"figure image without alt text (or only its file name): {a}" for a in _bad_alt(browser)]
+    problems += [f"code cut off or scrolled: {line}" for line in _overflowing_code(browser)]
 
     repo = _config()["repository"]["url"]
     branch = _config()["repository"].get("branch", "main")

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "raise_on_rank", "sharded_clip_worker",
-           "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_padding_clip",
-           "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite", "zero1_train"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "memory_chapter", "raise_on_rank",
+           "sharded_clip_worker", "zero1_bad_input", "zero1_chapter", "zero1_grads", "zero1_mean_grads",
+           "zero1_padding_clip", "zero1_problem", "zero1_raise_mid_run", "zero1_reference", "zero1_suite",
+           "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -515,3 +516,36 @@ def zero1_reference(steps: int = 6, seed: int = 0) -> list[torch.Tensor]:
         _set_grads(params, zero1_mean_grads(params, t, seed))
         opt.step()
     return [p.detach() for p in params]
+
+
+def memory_chapter(rank: int, world_size: int, *, seed: int = 0) -> dict:
+    """What chapter 16 measures on ``world_size`` processes: :func:`chapter_mlp` in bfloat16 under
+    DistributedOptimizer(AdamW) after one step and ``zero_grad()``, counted by :func:`optbook.memory.measure`.
+
+    Returns:
+        ``{"megatron": ..., "unpadded": ...}``: for Megatron's alignments (64, 128) and for alignments of 1
+        (no padding when ``world_size`` divides the element count), each ``{"bytes": role -> int,
+        "numel": real parameter elements, "buffer_numel": elements of the flat buffer, "shard_numel":
+        elements of this rank's shard, "state_numel": elements this rank's AdamW state covers,
+        "applied": whether the step was applied}``.
+    """
+    from ..memory import measure
+    from .zero1 import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    X, Y = chapter_batch(seed)
+    n = X.shape[0] // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    out = {}
+    for name, align in (("megatron", (64, 128)), ("unpadded", (1, 1))):
+        model = chapter_mlp(seed, torch.bfloat16)
+        opt = DistributedOptimizer(model.parameters(), lr=1e-3, param_alignment=align[0],
+                                   bucket_alignment=align[1])
+        torch.nn.functional.mse_loss(model(X[mine].bfloat16()).float(), Y[mine].float()).backward()
+        applied = opt.step()
+        opt.zero_grad()
+        (bucket,) = opt.layout.buckets
+        out[name] = {"bytes": measure(opt).bytes, "numel": sum(p.numel() for p in model.parameters()),
+                     "buffer_numel": bucket.numel, "shard_numel": bucket.shard_numel,
+                     "state_numel": sum(piece.numel for piece in opt.pieces), "applied": applied}
+    return out

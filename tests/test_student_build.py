@@ -1,0 +1,46 @@
+"""The student build (tools/student_build.py, `make student`) removes every solution and nothing else."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("student_build", ROOT / "tools" / "student_build.py")
+student_build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(student_build)
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+
+
+def text(nb, kind=None):
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if kind is None or c["cell_type"] == kind)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_solutions_go_and_exercises_stay(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    student, removed = student_build.strip_notebook(nb)
+    md = text(student, "markdown")
+    assert "{admonition} Solution" not in md
+    assert not any(c["cell_type"] == "code" and student_build._first_line("".join(c["source"])).startswith("# Solution")
+                   for c in student["cells"])
+    assert "Checks of the numbers quoted in the solutions" not in text(student, "code")
+    # Exercises, their headings and every non-solution cell survive unchanged.
+    assert re.findall(r"(?m)^#+ .*$", md) == re.findall(r"(?m)^#+ .*$", text(nb, "markdown"))
+    kept = [c for c in nb["cells"] if c["cell_type"] == "code"
+            and not student_build._first_line("".join(c["source"])).startswith(student_build.CODE_MARKERS)]
+    assert [c for c in student["cells"] if c["cell_type"] == "code"] == kept
+    if student_build.has_exercises(nb):
+        assert removed >= 3, f"{path.name}: a chapter with exercises should have at least three solutions"
+
+
+def test_admonition_removal_is_exact():
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": [
+        "### Exercise 1\n", "\n", "Prove it.\n", "\n", ":::{admonition} Solution\n", ":class: dropdown\n",
+        "\n", "Because $a = b$.\n", ":::\n", "\n", "### Exercise 2\n"]}]}
+    student, removed = student_build.strip_notebook(nb)
+    assert removed == 1
+    assert "".join(student["cells"][0]["source"]) == "### Exercise 1\n\nProve it.\n\n\n### Exercise 2\n"
+    assert "Because" in "".join(nb["cells"][0]["source"])   # the input is not modified
