@@ -543,7 +543,8 @@ class DistributedMuon(Muon):
 
     Attributes:
         layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
-        momentum_shard: ``{param index: 1-D tensor of this rank's piece}`` -- ``1/d`` of Muon's state.
+        state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
+            parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
         comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
             :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
         last_grad_norm: the global norm of the mean gradient at the last step (0-dim float64 tensor).
@@ -582,7 +583,6 @@ class DistributedMuon(Muon):
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: torch.Tensor | None = None
-        self.momentum_shard: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
                                   for d, n in layout.buffer_numel.items()}
@@ -598,6 +598,12 @@ class DistributedMuon(Muon):
         if getattr(self, "layout", None) is not None:
             raise NotImplementedError("DistributedMuon.add_param_group: the layout is fixed at construction")
         super().add_param_group(param_group)
+
+    @property
+    def momentum_shard(self) -> dict[int, torch.Tensor]:
+        """``{param index: this rank's 1-D momentum piece}`` (the same tensors as ``state[p]["momentum_shard"]``)."""
+        return {i: self.state[p]["momentum_shard"] for i, p in enumerate(self._params)
+                if p in self.state and "momentum_shard" in self.state[p]}
 
     def _params_to_buffers(self) -> None:
         for r, p in zip(self.layout.params, self._params):
@@ -672,7 +678,10 @@ class DistributedMuon(Muon):
             r = self.layout.params[piece.index]
             g = groups[self._group_of[piece.index]]
             grad = self.grad_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
-            m = self.momentum_shard.setdefault(piece.index, torch.zeros_like(grad))
+            state = self.state[self._params[piece.index]]
+            if "momentum_shard" not in state:
+                state["momentum_shard"] = torch.zeros_like(grad)
+            m = state["momentum_shard"]
             (d,) = momentum_directions([m], [grad], g["momentum"], g["nesterov"])
             directions[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel].copy_(d)
         # 4. gather the full matrices

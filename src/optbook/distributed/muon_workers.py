@@ -248,7 +248,6 @@ def _snapshot(opt, params) -> list[torch.Tensor]:
     out = [p.detach().clone() for p in params]
     for s in opt.state.values():
         out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
-    out += [m.clone() for m in getattr(opt, "momentum_shard", {}).values()]
     return out
 
 
