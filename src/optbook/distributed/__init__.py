@@ -5,10 +5,18 @@
 ``torchrun``. :class:`DistributedOptimizer` is ZeRO-1 (chapter 13): each rank keeps the optimizer state of
 one shard of a flat parameter buffer. The functions the chapters run on every rank live in
 :mod:`optbook.distributed.workers`: spawned processes import them by name, so they cannot be defined in a
-notebook cell.
+notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT bin packing),
+:class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a gather of each full matrix),
+:class:`DistributedChain` (one global gradient norm with a ZeRO-1 AdamW) and
+:func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards).
 """
 
 from .launch import init_from_env, launch
+from .layerwise_muon import (DistributedChain, DistributedMuon, LayerWiseMuon, lpt_assign, ns_cost, rank_loads,
+                             round_robin_assign, zero1_comm_bytes)
+from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 from .zero1 import DistributedOptimizer, shard_layout
 
-__all__ = ["DistributedOptimizer", "init_from_env", "launch", "shard_layout"]
+__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "LayerWiseMuon",
+           "init_from_env", "launch", "lpt_assign", "ns_cost", "rank_loads", "round_robin_assign", "shard_layout",
+           "tensor_parallel_newton_schulz", "zero1_comm_bytes"]

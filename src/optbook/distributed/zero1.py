@@ -211,6 +211,24 @@ def shard_layout(params, world_size: int, *, bucket_size: int | None = None, par
     return Layout(world_size, tuple(ranges[i] for i in range(len(params))), tuple(buckets), buffer_numel)
 
 
+def _clip_with_extra(params, max_norm, group, extra_sumsq: float) -> torch.Tensor:
+    """``norm = sqrt(group sum of squares of params' grads + extra_sumsq)``; scale the grads by
+    ``min(1, max_norm / (norm + 1e-6))`` (as :func:`optbook.clipping.clip_grad_norm_`; no scaling when
+    ``max_norm`` is ``None`` or the norm is not finite). Returns the norm (0-dim float64)."""
+    from ..clipping import EPS, get_grad_norm
+
+    own = get_grad_norm(params, group=group)
+    norm = torch.sqrt(own.square() + extra_sumsq)
+    if max_norm is not None and torch.isfinite(norm):
+        coef = max_norm / (norm.item() + EPS)
+        if coef < 1.0:
+            for p in params:
+                g = p.grad
+                if g is not None:
+                    g.mul_(coef) if g.dtype == torch.float64 else g.copy_(g.to(torch.float64).mul_(coef))
+    return norm
+
+
 # --- the optimizer ------------------------------------------------------------------------------------------
 def _not_elementwise() -> tuple:
     from ..optim import SOAP, Adafactor, ChainedOptimizer, Muon, Shampoo
@@ -466,12 +484,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bool(found.item())
 
     @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
-    def step(self, closure=None) -> bool:
+    def step(self, closure=None, *, extra_grad_sumsq: float | None = None) -> bool:
         """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward`` (on
                 :meth:`scale_loss` of it with a loss scaler); run with gradients enabled, return value unused.
+            extra_grad_sumsq: for a chain that clips by one global norm (chapter 14,
+                :class:`optbook.distributed.DistributedChain`): the float64 sum of squares of the other
+                members' mean gradients, the same number ``>= 0`` on every rank. It is added to this
+                optimizer's sum of squares before the square root; :attr:`last_grad_norm` is then the
+                global norm, and with ``max_grad_norm`` the shards are clipped by it.
 
         Returns:
             ``True`` when the update was applied; ``False`` when some rank's gradients held ``inf``/``NaN``
@@ -495,6 +518,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         try:
             self._validate()
+            if extra_grad_sumsq is not None:
+                check_number("extra_grad_sumsq", extra_grad_sumsq, low=0.0)
             error = None
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
@@ -540,7 +565,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if target.grad is not None:
                 stepped.append(target)
         # 6. clip by the norm over the group: each rank's pieces are its own (counted once)
-        if self.max_grad_norm is not None:
+        if extra_grad_sumsq is not None:  # a chain's one global norm: this group's squares plus the others'
+            self.last_grad_norm = _clip_with_extra(stepped, self.max_grad_norm, self.process_group,
+                                                   float(extra_grad_sumsq))
+        elif self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(stepped, self.max_grad_norm, group=self.process_group)
         # 7. the inner step on this rank's shard, with the hyperparameters of param_groups
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):

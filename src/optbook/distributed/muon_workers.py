@@ -1,0 +1,500 @@
+"""Functions run on every rank by :func:`optbook.distributed.launch` for chapter 14 and
+``tests/test_layerwise_muon.py`` (distributed Muon). Each takes ``(rank, world_size, ...)`` and returns
+picklable values; the single-process references are here too, so notebook and tests use the same problem.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MUON_OPTIONS",
+    "MUON_SUITE_GROUPS",
+    "chain_problem",
+    "chain_reference",
+    "chain_train",
+    "chapter_transformer",
+    "layerwise_bad_input",
+    "layerwise_raise_mid_run",
+    "layerwise_train",
+    "moonlight_train",
+    "muon_chapter",
+    "muon_grads",
+    "muon_mean_grads",
+    "muon_problem",
+    "muon_reference",
+    "muon_suite",
+    "tp_modes",
+    "transformer_comm",
+]
+
+#: The process groups of :func:`muon_suite` on 4 processes: world size -> global ranks.
+MUON_SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
+
+#: Muon hyperparameters of the equivalence runs: float64 Newton–Schulz, so differences are rounding only.
+MUON_OPTIONS = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_dtype": torch.float64}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def muon_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[list[torch.Tensor], list[dict]]:
+    """Seven 2-D parameters and two groups, the same on every rank for ``seed``.
+
+    Shapes ``(16, 8)``, ``(8, 24)``, ``(12, 12)``, ``(16, 8)`` (shares the first's shape: batched together in
+    one Newton–Schulz call), ``(6, 10)``, then ``(8, 6)``, ``(4, 6)``; entries ``k / 64``, ``k`` in
+    ``[-64, 64)``. Groups: the first five (weight decay 0.1), the last two with ``head_split=2`` (two row
+    blocks each) and ``lr=0.01``.
+    """
+    gen = _gen(seed)
+    shapes = [(16, 8), (8, 24), (12, 12), (16, 8), (6, 10), (8, 6), (4, 6)]
+    params = [(torch.randint(-64, 64, s, generator=gen) / 64).to(dtype).requires_grad_() for s in shapes]
+    groups = [{"params": params[:5], "weight_decay": 0.1},
+              {"params": params[5:], "head_split": 2, "lr": 0.01}]
+    return params, groups
+
+
+def muon_mean_grads(params, step: int, seed: int = 0) -> list[torch.Tensor | None]:
+    """The mean gradient at ``step`` (what a single process uses): entries ``k / 256``, ``k`` in
+    ``[-512, 512)``; ``params[4]`` has none."""
+    gen = _gen(100003 * seed + 1009 * step + 3)
+    grads = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype) for p in params]
+    grads[4] = None
+    return grads
+
+
+def muon_grads(params, step: int, rank: int, world_size: int, seed: int = 0) -> list[torch.Tensor | None]:
+    """Rank ``rank``'s gradients: their mean over the ranks is exactly :func:`muon_mean_grads` (dyadic values,
+    exact sums in any order). Rank ``r`` gets ``G + (r - (d - 1) / 2) D``; ``params[1]`` gets ``d G`` on rank 0
+    and ``None`` elsewhere; ``params[4]`` never has one."""
+    mean = muon_mean_grads(params, step, seed)
+    gen = _gen(100003 * seed + 1009 * step + 11)
+    out = []
+    for i, (p, g) in enumerate(zip(params, mean)):
+        d = (torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype)
+        if g is None:
+            out.append(None)
+        elif i == 1:
+            out.append(world_size * g if rank == 0 else None)
+        else:
+            out.append(g + (rank - (world_size - 1) / 2) * d)
+    return out
+
+
+def _set_grads(params, grads) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def muon_reference(steps: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    """Single-process ``optbook.optim.Muon`` (float64 Newton–Schulz) on :func:`muon_mean_grads`."""
+    from ..optim import Muon
+
+    params, groups = muon_problem(seed)
+    opt = Muon(groups, **MUON_OPTIONS)
+    for t in range(steps):
+        _set_grads(params, muon_mean_grads(params, t, seed))
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def layerwise_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0, group=None,
+                    assignment: str = "lpt") -> dict:
+    """:class:`~optbook.distributed.LayerWiseMuon` on :func:`muon_problem` for ``steps`` steps.
+
+    Returns:
+        ``{"params", "owners", "loads", "comm_bytes", "predicted" (one step's bytes times steps),
+        "state_numel" (momentum elements this rank holds), "checkpoint" (consolidated on the group's last
+        rank, else None)}``.
+    """
+    from .layerwise_muon import LayerWiseMuon
+
+    params, groups = muon_problem(seed)
+    opt = LayerWiseMuon(groups, process_group=group, assignment=assignment, **MUON_OPTIONS)
+    for t in range(steps):
+        _set_grads(params, muon_grads(params, t, rank, world_size, seed))
+        opt.step()
+    opt.consolidate_state_dict(to=world_size - 1)
+    checkpoint = opt.state_dict() if rank == world_size - 1 else None
+    pred = opt.predicted_comm_bytes([g is not None for g in muon_mean_grads(params, 0, seed)])
+    return {"params": [p.detach().clone() for p in params], "owners": opt.owners, "loads": opt.loads,
+            "comm_bytes": dict(opt.comm_bytes), "predicted": {k: steps * v for k, v in pred.items()},
+            "state_numel": sum(s["momentum_buffer"].numel() for s in opt.state.values()),
+            "checkpoint": checkpoint}
+
+
+def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0, group=None,
+                    gather_dtype: torch.dtype = torch.float64) -> dict:
+    """:class:`~optbook.distributed.DistributedMuon` on :func:`muon_problem` (small alignments, so matrices
+    are cut across ranks).
+
+    Returns:
+        ``{"params", "comm_bytes", "predicted" (:func:`zero1_comm_bytes` times steps), "state_numel",
+        "split" (indices of parameters cut across two or more ranks)}``.
+    """
+    from .layerwise_muon import DistributedMuon, zero1_comm_bytes
+
+    params, groups = muon_problem(seed)
+    opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, param_alignment=1,
+                          bucket_alignment=4, **MUON_OPTIONS)
+    for t in range(steps):
+        _set_grads(params, muon_grads(params, t, rank, world_size, seed))
+        opt.step()
+    pred = zero1_comm_bytes(opt.layout, gather_dtype)
+    holders = {}
+    for r in range(world_size):
+        for piece in opt.layout.pieces(r):
+            holders.setdefault(piece.index, set()).add(r)
+    return {"params": [p.detach().clone() for p in params], "comm_bytes": dict(opt.comm_bytes),
+            "predicted": {k: steps * v for k, v in pred.items() if k != "total"},
+            "state_numel": sum(m.numel() for m in opt.momentum_shard.values()),
+            "split": sorted(i for i, rs in holders.items() if len(rs) > 1)}
+
+
+# --- one global norm: Muon (layer-wise) + AdamW (ZeRO-1) ----------------------------------------------------
+def chain_problem(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(matrices, others)``: the matrices of :func:`muon_problem` and three AdamW tensors ``(10,)``,
+    ``(5, 4)`` (an embedding-like table), ``(3,)``, entries ``k / 64`` in float64."""
+    params, _ = muon_problem(seed)
+    gen = _gen(seed + 17)
+    others = [(torch.randint(-64, 64, s, generator=gen) / 64).double().requires_grad_() for s in [(10,), (5, 4), (3,)]]
+    return params, others
+
+
+def _chain_mean_grads(matrices, others, step: int, seed: int):
+    mg = muon_mean_grads(matrices, step, seed)
+    gen = _gen(7 * seed + 31 * step + 5)
+    og = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).double() for p in others]
+    return mg, og
+
+
+def _chain_rank_grads(matrices, others, step, rank, world_size, seed):
+    mg = muon_grads(matrices, step, rank, world_size, seed)
+    _, og = _chain_mean_grads(matrices, others, step, seed)
+    gen = _gen(7 * seed + 31 * step + 6)
+    og = [g + (rank - (world_size - 1) / 2) * (torch.randint(-512, 512, g.shape, generator=gen) / 256).double()
+          for g in og]
+    return mg, og
+
+
+CHAIN_MAX_NORM = 3.0
+
+
+def chain_reference(steps: int = 3, seed: int = 0) -> dict:
+    """Single process: ``ChainedOptimizer([Muon, AdamW], max_grad_norm=3)`` on the mean gradients.
+    Returns ``{"params": matrices + others, "norms": the global norm of each step}``."""
+    from ..optim import AdamW, ChainedOptimizer, Muon
+
+    matrices, others = chain_problem(seed)
+    chain = ChainedOptimizer([Muon(matrices, **MUON_OPTIONS), AdamW(others, lr=0.01, weight_decay=0.1)],
+                             max_grad_norm=CHAIN_MAX_NORM)
+    norms = []
+    for t in range(steps):
+        mg, og = _chain_mean_grads(matrices, others, t, seed)
+        _set_grads(matrices, mg)
+        _set_grads(others, og)
+        chain.step()
+        norms.append(float(chain.last_grad_norm))
+    return {"params": [p.detach().clone() for p in matrices + others], "norms": norms}
+
+
+def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, group=None) -> dict:
+    """:class:`~optbook.distributed.DistributedChain` of LayerWiseMuon and DistributedOptimizer(AdamW), clip at
+    3.0 (active: the norms are about 20), on each rank's gradients. Returns ``{"params", "norms",
+    "raw_norm_check"}`` where ``raw_norm_check`` is the norm of the *mean raw* gradients at step 0 computed
+    here from :func:`_chain_mean_grads` (what the chain's first norm must equal); ``"lrs"``: every group's lr
+    after one step of ``LambdaLR(chain, 0.5 ** s)``; ``"errors"``: what three bad constructions raised."""
+    from ..clipping import get_grad_norm
+    from .layerwise_muon import DistributedChain, LayerWiseMuon
+    from .zero1 import DistributedOptimizer
+
+    matrices, others = chain_problem(seed)
+    muon = LayerWiseMuon(matrices, process_group=group, **MUON_OPTIONS)
+    adamw = DistributedOptimizer(others, process_group=group, lr=0.01, weight_decay=0.1)
+    chain = DistributedChain(muon, adamw, max_grad_norm=CHAIN_MAX_NORM)
+    norms = []
+    for t in range(steps):
+        mg, og = _chain_rank_grads(matrices, others, t, rank, world_size, seed)
+        _set_grads(matrices, mg)
+        _set_grads(others, og)
+        chain.step()
+        norms.append(float(chain.last_grad_norm))
+    fresh_m, fresh_o = chain_problem(seed)
+    mg, og = _chain_mean_grads(fresh_m, fresh_o, 0, seed)
+    _set_grads(fresh_m, mg)
+    _set_grads(fresh_o, og)
+    # one scheduler drives both members; constructor errors
+    sched = torch.optim.lr_scheduler.LambdaLR(chain, lambda s: 0.5 ** s)
+    sched.step()
+    lrs = [g["lr"] for g in chain.param_groups]
+    errors = {}
+    for name, make in [("own_norm", lambda: DistributedChain(
+                            LayerWiseMuon(matrices[:1], process_group=group, max_grad_norm=1.0), adamw)),
+                       ("not_layerwise", lambda: DistributedChain(adamw, adamw)),
+                       ("max_grad_norm", lambda: DistributedChain(muon, adamw, max_grad_norm=-1.0))]:
+        try:
+            make()
+            errors[name] = None
+        except (TypeError, ValueError) as e:
+            errors[name] = (type(e).__name__, str(e))
+    return {"params": [p.detach().clone() for p in matrices + others], "norms": norms,
+            "raw_norm_check": float(get_grad_norm(fresh_m + fresh_o)), "lrs": lrs, "errors": errors}
+
+
+# --- bad input and failures -----------------------------------------------------------------------------------
+def _snapshot(opt, params) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in params]
+    for s in opt.state.values():
+        out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _bitwise(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "layerwise") -> dict:
+    """Bad input on one rank or on all, for LayerWiseMuon (``kind="layerwise"``) or DistributedMuon
+    (``"moonlight"``): after two good steps, (1) the last rank passes a sparse gradient, (2) rank 0
+    alone sets ``lr = -1``, (3) the last rank's gradient holds a NaN, (4) every rank sets ``momentum = 1.5``.
+    Every rank must raise with nothing written; then a good step runs. Also constructor errors.
+
+    Returns:
+        ``{"errors": [(type, message) or None per case], "untouched": [bool per case], "grads_untouched": bool,
+        "after": parameters after the final good step, "constructor_errors": {case: (type, message)}}``.
+    """
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon
+
+    cls = LayerWiseMuon if kind == "layerwise" else DistributedMuon
+    extra = {} if kind == "layerwise" else {"gather_dtype": torch.float64, "param_alignment": 1, "bucket_alignment": 4}
+    params, groups = muon_problem()
+    opt = cls(groups, process_group=group, **MUON_OPTIONS, **extra)
+    for t in range(2):
+        _set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    last = world_size - 1
+    good = muon_grads(params, 2, rank, world_size)
+    errors, untouched, grads_untouched = [], [], True
+    for what in ("sparse", "lr", "nan", "momentum"):
+        grads = [None if g is None else g.clone() for g in good]
+        if what == "sparse" and rank == last:
+            grads[0] = grads[0].to_sparse()
+        if what == "nan" and rank == last:
+            grads[2][0, 0] = float("nan")
+        saved = {k: opt.param_groups[0][k] for k in ("lr", "momentum")}
+        if what == "lr" and rank == 0:
+            opt.param_groups[0]["lr"] = -1.0
+        if what == "momentum":
+            opt.param_groups[0]["momentum"] = 1.5
+        _set_grads(params, grads)
+        before = _snapshot(opt, params)
+        grads_before = [None if p.grad is None else p.grad.clone() for p in params]
+        try:
+            opt.step()
+            errors.append(None)
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append((type(e).__name__, str(e)))
+        opt.param_groups[0].update(saved)
+        untouched.append(_bitwise(before, _snapshot(opt, params)))
+        grads_untouched &= all((a is None and p.grad is None) or torch.equal(  # bit patterns: NaN == NaN
+            a.to_dense().view(torch.int64), p.grad.to_dense().view(torch.int64)) for a, p in zip(grads_before, params))
+    _set_grads(params, good)
+    opt.step()
+    constructor_errors = {}
+    cases = [("vector", lambda: cls([torch.zeros(3, dtype=torch.float64, requires_grad=True)], process_group=group)),
+             ("lr", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)], process_group=group,
+                                lr=-0.1)),
+             ("max_grad_norm", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)],
+                                           process_group=group, max_grad_norm=0.0)),
+             ("differs", lambda: cls([torch.zeros(2 + (rank == last), 2, dtype=torch.float64, requires_grad=True)],
+                                     process_group=group))]
+    if kind == "layerwise":
+        cases.append(("assignment", lambda: cls([torch.zeros(2, 2, requires_grad=True)], process_group=group,
+                                                assignment="random")))
+    else:
+        cases.append(("bfloat16", lambda: cls([torch.zeros(2, 2, dtype=torch.bfloat16, requires_grad=True)],
+                                              process_group=group)))
+    for name, make in cases:
+        try:
+            make()
+            constructor_errors[name] = None
+        except (TypeError, ValueError) as e:
+            constructor_errors[name] = (type(e).__name__, str(e))
+    return {"errors": errors, "untouched": untouched, "grads_untouched": grads_untouched,
+            "after": [p.detach().clone() for p in params], "constructor_errors": constructor_errors}
+
+
+def layerwise_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
+    """LayerWiseMuon on :func:`muon_problem`; rank ``bad_rank`` raises before its step ``at_step`` while the
+    others enter the step's collectives: :func:`optbook.distributed.launch` must fail fast, not hang."""
+    from .layerwise_muon import LayerWiseMuon
+
+    params, groups = muon_problem()
+    opt = LayerWiseMuon(groups, **MUON_OPTIONS)
+    for t in range(4):
+        if t == at_step and rank == bad_rank:
+            raise RuntimeError(f"rank {rank} fails on purpose at step {t}")
+        _set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    return rank
+
+
+def muon_suite(rank: int, world_size: int) -> dict:
+    """Every multi-process check of ``tests/test_layerwise_muon.py`` in one launch of 4 processes, on groups of
+    2, 3 and 4 of them (:data:`MUON_SUITE_GROUPS`; the smaller groups do not start at global rank 0).
+
+    Returns:
+        ``{size: report or None}``; a report is ``{"layerwise", "round_robin", "moonlight", "chain",
+        "bad_layerwise", "bad_moonlight", "resumed", "tp_rows", "tp_cols"}`` (the results of the functions
+        above, :func:`tp_modes` on a ``(96, 48)`` matrix split by rows and by columns; ``"resumed"``: the
+        parameters after 2 more steps of a LayerWiseMuon that loaded the previous group's checkpoint, or None
+        for the first group).
+    """
+    if world_size != 4:
+        raise ValueError(f"Invalid world_size: muon_suite runs on 4 processes, got {world_size}")
+    torch.set_num_threads(1)
+    groups = {size: dist.new_group(ranks) for size, ranks in MUON_SUITE_GROUPS.items()}
+    out, resume = {}, None
+    for size, ranks in MUON_SUITE_GROUPS.items():
+        report = None
+        if rank in ranks:
+            g, r = groups[size], ranks.index(rank)
+            report = {"layerwise": layerwise_train(r, size, group=g),
+                      "round_robin": layerwise_train(r, size, group=g, assignment="round_robin"),
+                      "moonlight": moonlight_train(r, size, group=g),
+                      "chain": chain_train(r, size, group=g),
+                      "bad_layerwise": layerwise_bad_input(r, size, group=g),
+                      "bad_moonlight": layerwise_bad_input(r, size, group=g, kind="moonlight"),
+                      "resumed": None if resume is None else _resume(r, size, g, resume),
+                      "tp_rows": tp_modes(r, size, shape=(96, 48), partition_dim=0, group=g),
+                      "tp_cols": tp_modes(r, size, shape=(96, 48), partition_dim=1, group=g)}
+        shared = [None if report is None else report["layerwise"]["checkpoint"]]
+        dist.broadcast_object_list(shared, src=ranks[-1])
+        resume, out[size] = shared[0], report
+    return out
+
+
+def _resume(rank, world_size, group, checkpoint, seed: int = 0) -> list[torch.Tensor]:
+    """Continue :func:`layerwise_train` (4 steps done) from ``checkpoint`` for steps 4 and 5."""
+    from .layerwise_muon import LayerWiseMuon
+
+    params = muon_reference(4, seed)
+    _, groups = muon_problem(seed)
+    fresh = [p.clone().requires_grad_() for p in params]
+    groups = [{**g, "params": fresh[:5] if i == 0 else fresh[5:]} for i, g in enumerate(groups)]
+    opt = LayerWiseMuon(groups, process_group=group, **MUON_OPTIONS)
+    opt.load_state_dict(checkpoint)
+    for t in (4, 5):
+        _set_grads(fresh, muon_grads(fresh, t, rank, world_size, seed))
+        opt.step()
+    return [p.detach().clone() for p in fresh]
+
+
+# --- chapter 14 ------------------------------------------------------------------------------------------------
+def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int = 0, seed: int = 0,
+             group=None) -> dict:
+    """Newton–Schulz (float64, 5 simple steps) of one ``shape`` matrix split over the tensor-parallel ranks in
+    each mode of :func:`~optbook.distributed.tensor_parallel_newton_schulz`; the matrix is drawn from ``seed``
+    on every rank, rank ``r`` keeps block ``r``.
+
+    Returns:
+        ``{mode: this rank's block of the result}`` for the three modes, plus ``"comm_bytes"``: ``{mode:
+        bytes}``, and ``"G"``: the whole matrix.
+    """
+    from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
+
+    t = world_size if group is None else dist.get_world_size(group)
+    r = rank if group is None else dist.get_rank(group)
+    G = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
+    block = G.chunk(t, dim=partition_dim)[r].contiguous()
+    out, comm = {}, {}
+    for mode in TP_MODES:
+        counted: dict = {}
+        out[mode] = tensor_parallel_newton_schulz(block, partition_dim, mode, group, dtype=torch.float64,
+                                                  comm_bytes=counted)
+        comm[mode] = sum(counted.values())
+    out["comm_bytes"] = comm
+    out["G"] = G
+    return out
+
+
+def chapter_transformer(seed: int = 0):
+    """The communication example's model: ``TinyTransformer(vocab_size=512, d_model=64, n_layers=2)`` in float32,
+    built from ``seed`` (the routing of :func:`optbook.optim.muon_param_groups` splits it)."""
+    from ..models.transformer import TinyTransformer
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size=512, d_model=64, n_layers=2, n_heads=4)
+    torch.random.set_rng_state(state)
+    return model
+
+
+def transformer_comm(rank: int, world_size: int, *, group=None, seed: int = 0) -> dict:
+    """One step on :func:`chapter_transformer` with random gradients, counting bytes: (a) ZeRO-1 AdamW over
+    every parameter (``DistributedOptimizer``; bytes by :func:`zero1_comm_bytes` of its layout: its step is one
+    reduce-scatter and one all-gather per bucket); (b) Moonlight: ``DistributedMuon`` (bfloat16 gather) over
+    the Muon matrices plus ``DistributedOptimizer(AdamW)`` over the rest, bytes measured by
+    ``DistributedMuon.comm_bytes`` plus the formula for the AdamW part; (c) ``LayerWiseMuon`` measured.
+
+    Returns:
+        ``{"adamw": {...}, "muon": {...} (DistributedMuon's measured bytes), "rest": {...} (AdamW part),
+        "predicted_muon": zero1_comm_bytes of DistributedMuon's layout, "layerwise": measured bytes,
+        "n_matrix": elements in Muon matrices, "n_total": all elements}``.
+    """
+    from ..optim import muon_param_groups
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon, zero1_comm_bytes
+    from .zero1 import DistributedOptimizer
+
+    model_a, model_b, model_c = (chapter_transformer(seed) for _ in range(3))
+    for m in (model_a, model_b, model_c):
+        gen = _gen(seed + 99)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    adamw = DistributedOptimizer(model_a.parameters(), process_group=group, lr=1e-3)
+    adamw.step()
+    routing = muon_param_groups(model_b)
+    strip = [{k: v for k, v in g.items() if k != "param_names"} for g in routing.muon]
+    rest = [{k: v for k, v in g.items() if k != "param_names"} for g in routing.adamw]
+    muon = DistributedMuon(strip, process_group=group, lr=0.02)
+    other = DistributedOptimizer(rest, process_group=group, lr=1e-3)
+    muon.step()
+    other.step()
+    routing_c = muon_param_groups(model_c)
+    layerwise = LayerWiseMuon([{k: v for k, v in g.items() if k != "param_names"} for g in routing_c.muon],
+                              process_group=group, lr=0.02)
+    layerwise.step()
+    n_matrix = sum(p.numel() for g in strip for p in g["params"])
+    return {"adamw": zero1_comm_bytes(adamw.layout), "muon": dict(muon.comm_bytes),
+            "rest": zero1_comm_bytes(other.layout), "predicted_muon": zero1_comm_bytes(muon.layout, torch.bfloat16),
+            "layerwise": dict(layerwise.comm_bytes), "n_matrix": n_matrix,
+            "n_total": sum(p.numel() for p in model_a.parameters())}
+
+
+def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 4) -> dict:
+    """Everything chapter 14 runs on processes, in one launch: for each ``d`` in ``sizes``, on the first ``d``
+    processes: :func:`layerwise_train`, :func:`moonlight_train` (float64 gather), :func:`chain_train`,
+    :func:`tp_modes` on a ``(96, 32)`` matrix split by rows and by columns and :func:`transformer_comm`.
+
+    Returns:
+        ``{d: report or None}`` with report keys ``"layerwise"``, ``"moonlight"``, ``"chain"``, ``"tp_rows"``,
+        ``"tp_cols"``, ``"comm"``.
+    """
+    torch.set_num_threads(1)
+    groups = {d: dist.group.WORLD if d == world_size else dist.new_group(list(range(d))) for d in sizes}
+    out = {}
+    for d in sizes:
+        report = None
+        if rank < d:
+            g = groups[d]
+            report = {"layerwise": layerwise_train(rank, d, steps=steps, group=g),
+                      "moonlight": moonlight_train(rank, d, steps=steps, group=g),
+                      "chain": chain_train(rank, d, group=g),
+                      "tp_rows": tp_modes(rank, d, shape=(96, 32), partition_dim=0, group=g),
+                      "tp_cols": tp_modes(rank, d, shape=(96, 32), partition_dim=1, group=g),
+                      "comm": transformer_comm(rank, d, group=g)}
+        out[d] = report
+        dist.barrier()
+    return out
