@@ -33,6 +33,13 @@ gradient reduction: 2 (parameter) + 4 (gradient buffer) + 12/d (float32 master, 
 parameters: 4 + 4 + 8/d (the parameter is its own master). Without ZeRO the same is 18 and 16
 (Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``). :meth:`DistributedOptimizer.memory_bytes`
 measures it.
+
+Checkpoints come in two kinds. Consolidated (:meth:`DistributedOptimizer.consolidate_state_dict`, then
+``state_dict()`` on one rank): the plain ``torch.optim`` layout, loadable at any world size and into a
+single-process optimizer. Sharded (:meth:`DistributedOptimizer.sharded_state_dict`, one file per rank,
+no communication): each rank's pieces of m, v and the masters, with the piece boundaries as layout
+metadata; :meth:`DistributedOptimizer.load_sharded_state_dict` takes the rank's own file (same world size)
+or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 """
 
 from __future__ import annotations
@@ -49,7 +56,10 @@ from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
 
-__all__ = ["Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
+__all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
+
+#: The ``"format"`` entry of :meth:`DistributedOptimizer.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.DistributedOptimizer.sharded/1"
 
 #: Parameter dtypes that get float32 masters and float32 gradient buffers.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -571,6 +581,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         to = _check_int("to", to, 0)
         if to >= self.world_size:
             raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
+        local = self._local_pieces()
+        gathered = [None] * self.world_size if self.rank == to else None
+        world = self.process_group is dist.group.WORLD
+        dst = to if world else dist.get_global_rank(self.process_group, to)
+        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        self._consolidated = self._assemble(gathered) if self.rank == to else None
+
+    def _local_pieces(self) -> list[tuple]:
+        """``(index, param_start, param_end, state, master or None)`` per piece of this rank, on the CPU."""
         local = []
         for piece, target in zip(self.pieces, self._piece_params):
             state = self.optimizer.state.get(target, {})
@@ -578,11 +597,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                      for k, v in state.items()}
             master = target.detach().cpu().clone() if piece.bucket in self.master_shards else None
             local.append((piece.index, piece.param_start, piece.param_end, state, master))
-        gathered = [None] * self.world_size if self.rank == to else None
-        world = self.process_group is dist.group.WORLD
-        dst = to if world else dist.get_global_rank(self.process_group, to)
-        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
-        self._consolidated = self._assemble(gathered) if self.rank == to else None
+        return local
 
     def _assemble(self, gathered: list) -> dict:
         flat_state: dict[int, dict] = {}
@@ -730,3 +745,107 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if piece.index in masters:
                     target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
         self._consolidated = None
+
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the optimizer state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in
+            param-group order, "pieces": [(index, param_start, param_end, state, master)], "param_groups",
+            "loss_scaler", "skipped_steps"}``: for each piece this rank owns, elements ``param_start ..
+            param_end - 1`` of the flattened parameter ``index``, its inner-optimizer state (element-wise
+            tensors such as ``exp_avg``, ``exp_avg_sq`` of the piece's length; the step count) and its
+            float32 master (``None`` for a float32/float64 parameter, which is its own master). Tensors are
+            CPU copies; only plain types, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip
+            it. Padding is not stored. The model's parameters are not included: save them separately (they
+            are the same on every rank, e.g. ``model.state_dict()`` on rank 0).
+        """
+        groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                           "params": list(range(i, i + n))})
+            i += n
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "params": [(tuple(r.shape), str(r.dtype)) for r in self.layout.params],
+                "pieces": self._local_pieces(), "param_groups": groups,
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load sharded checkpoints from :meth:`sharded_state_dict`. Not a collective.
+
+        Args:
+            shards: either **this rank's own** dict (saved by the rank of the same number at the same world
+                size and layout: the fast path, each rank reads one file), or a list of **every** rank's
+                dict of one save, at any world size (each rank reads all files and keeps the elements its
+                own pieces cover: resharding). Either way the run continues exactly as the uninterrupted
+                one (bitwise: the state is copied, not recomputed).
+
+        With the list, float16/bfloat16 masters are also rounded into the model parameters (as
+        :meth:`load_state_dict`); with one dict only this rank's masters are restored and the model
+        parameters must come from the model checkpoint (they are the rounded masters).
+
+        Raises:
+            TypeError: ``shards`` is neither a dict nor a list/tuple of dicts of this format.
+            ValueError: one dict saved at another world size, or by another rank, or with other pieces
+                (another ``bucket_size`` or alignment) -- the message names both sides and says to pass all
+                files to reshard; a list that is not exactly ranks ``0 .. W - 1`` of one save at world size
+                ``W``; parameters of other shapes or dtypes (naming the first); what
+                :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        if isinstance(shards, dict):
+            self._check_sharded(shards, "shards")
+            own = [(p.index, p.param_start, p.param_end) for p in self.pieces]
+            saved = [tuple(p[:3]) for p in shards["pieces"]]
+            if shards["world_size"] != self.world_size or shards["rank"] != self.rank or saved != own:
+                what = (f"world size {shards['world_size']}, this group has {self.world_size}"
+                        if shards["world_size"] != self.world_size else
+                        f"rank {shards['rank']}, this is rank {self.rank}" if shards["rank"] != self.rank
+                        else "other pieces (another bucket_size or alignment)")
+                raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                                 f"{shards['world_size']}: {what}; to reshard, pass the list of all "
+                                 f"{shards['world_size']} files of that save")
+            consolidated = self._assemble([shards["pieces"]])
+            whole = False
+            meta = shards
+        elif isinstance(shards, (list, tuple)) and shards:
+            for k, sd in enumerate(shards):
+                self._check_sharded(sd, f"shards[{k}]")
+            sizes = sorted({sd["world_size"] for sd in shards})
+            ranks = sorted(sd["rank"] for sd in shards)
+            if len(sizes) != 1 or ranks != list(range(sizes[0])):
+                raise ValueError(f"Invalid shards: expected the files of ranks 0 .. W - 1 of one save at "
+                                 f"world size W, got ranks {ranks} saved at world sizes {sizes}")
+            ordered = sorted(shards, key=lambda sd: sd["rank"])
+            consolidated = self._assemble([sd["pieces"] for sd in ordered])
+            whole = True
+            meta = ordered[0]
+        else:
+            raise TypeError(f"Invalid shards: expected this rank's dict from sharded_state_dict() or a list of "
+                            f"every rank's, got {type(shards).__name__}")
+        consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta["loss_scaler"],
+                            skipped_steps=meta["skipped_steps"])
+        if whole:
+            self.load_state_dict(consolidated)
+            return
+        consolidated["master_params"] = {}  # other ranks' parts are absent: restore only this rank's below
+        self.load_state_dict(consolidated)
+        with torch.no_grad():  # the pieces equal the saved ones (checked above)
+            for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
+                if master is not None:
+                    target.copy_(master)
+
+    def _check_sharded(self, sd, name: str) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT:
+            raise TypeError(f"Invalid {name}: expected a dict from DistributedOptimizer.sharded_state_dict() "
+                            f"(format {SHARDED_FORMAT!r}), got {type(sd).__name__}")
+        mine = [(tuple(r.shape), str(r.dtype)) for r in self.layout.params]
+        theirs = [(tuple(shape), dtype) for shape, dtype in sd["params"]]
+        if len(theirs) != len(mine):
+            raise ValueError(f"Invalid {name}: it holds {len(theirs)} parameters, this optimizer has {len(mine)}")
+        for i, (a, b) in enumerate(zip(theirs, mine)):
+            if a != b:
+                raise ValueError(f"Invalid {name}: parameter {i} was saved with shape and dtype {a}, this "
+                                 f"optimizer's is {b}")
