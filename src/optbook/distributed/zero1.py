@@ -154,6 +154,11 @@ class Layout:
         return sum(b.shard_numel for b in self.buckets) - sum(p.numel for p in self.pieces(rank))
 
 
+def _is_power_of_two(x) -> bool:
+    """Whether ``x`` (an int or a finite float > 0) is ``2 ** k`` for an integer ``k``."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -461,13 +466,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 i += 1
 
     def _unscale_and_check(self, shard_grads: list[torch.Tensor]) -> bool:
-        """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``."""
-        for g in shard_grads:
-            g.div_(self.world_size)
-        if self.loss_scaler is None:
-            return bool(shard_grads) and not all_finite(shard_grads)
+        """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``.
+
+        When the world size and ``S`` are powers of two, ``g * (1 / (d S))`` is exactly ``(g / d) / S``, so
+        one fused pass (``torch._amp_foreach_non_finite_check_and_unscale_``) divides and checks; otherwise
+        the division by ``d`` is its own pass."""
+        if not shard_grads:
+            return False
+        scale = self.loss_scale
+        if _is_power_of_two(self.world_size) and _is_power_of_two(scale):
+            inv = 1.0 / (self.world_size * scale)
+        else:
+            for g in shard_grads:
+                g.div_(self.world_size)
+            if self.loss_scaler is None:
+                return not all_finite(shard_grads)
+            inv = 1.0 / scale
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), inv, dtype=torch.float32, device=self.device)
         by_dtype: dict = {}
         for g in shard_grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -509,12 +525,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         has_grad = [p.grad is not None for p in self._params]
-        # 1. the flat gradient of this rank (the model's .grad is only read)
-        for buf in self.grad_buffers.values():
-            buf.zero_()
-        if error is None:
-            for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
-                if p.grad is not None and r.numel:
+        # 1. the flat gradient of this rank (the model's .grad is only read). Padding is never written (the
+        #    reduce-scatter of zeros gives zeros), so only the ranges without a gradient are zeroed.
+        for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
+            if r.numel:
+                if p.grad is None or error is not None:
+                    self._grad_view(i).zero_()
+                else:
                     self._grad_view(i).view(r.shape).copy_(p.grad)
         # 2. reduce-scatter (SUM) bucket by bucket: rank r receives its shard, in place
         shard_grads = []
