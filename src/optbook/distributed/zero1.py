@@ -19,14 +19,16 @@ parameter inside it is a :class:`Piece`.
 One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
 
     flat_grad[param] = p.grad                      every rank, its own micro-batch's gradient
-    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r ...
+    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r (gloo: a
+                                                    reduce of shard q to rank q, for each q) ...
     flat_grad[shard r] /= world_size                 ... and takes the mean
     flat_grad[shard r] /= S; found_inf             (with a loss scaler S)
     all_reduce([found_inf, has_grad...], MAX)       every rank skips together, one scale update
     clip by sqrt(all_reduce(sum of squares, SUM))   (max_grad_norm) each element counted once
     inner optimizer step on the pieces of shard r   float32 masters and m, v for shard r only
     flat_param[shard r] = master[shard r]           (float16/bfloat16: one rounding)
-    all_gather(flat_param, flat_param[shard r])     every rank has every updated parameter
+    all_gather(flat_param, flat_param[shard r])     every rank has every updated parameter (gloo: a
+                                                    broadcast of shard q from rank q, for each q)
 
 Memory per parameter (bytes, ``d`` = world size, AdamW): bfloat16/float16 parameters with float32
 gradient reduction: 2 (parameter) + 4 (gradient buffer) + 12/d (float32 master, m, v); float32
@@ -336,6 +338,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._consolidated: dict | None = None
         self._params = all_params
         self.device = next(iter(devices))
+        self._global_ranks = [q if group is dist.group.WORLD else dist.get_global_rank(group, q)
+                              for q in range(world_size)]
+        # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its reduce and
+        # broadcast on the same bytes (measured: benchmarks/bench_zero1.py); NCCL's are the fast path.
+        self._per_shard_collectives = dist.get_backend(group) == "gloo" and world_size > 1
 
         with torch.no_grad():
             self.param_buffers: dict = {}
@@ -538,8 +545,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
                 shard = self._shard(self.grad_buffers, b)
-                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
-                                group=self.process_group)
+                if self._per_shard_collectives:  # gloo: one reduce to each shard's owner
+                    flat = self.grad_buffers[bucket.dtype]
+                    for q, dst in enumerate(self._global_ranks):
+                        lo, hi = bucket.shard(q)
+                        dist.reduce(flat[lo:hi], dst=dst, group=self.process_group)
+                else:
+                    _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                    group=self.process_group)
                 shard_grads.append(shard)
         # 3. mean, unscale, look for inf/NaN on this rank's shards
         found_inf = self._unscale_and_check(shard_grads) if error is None else False
@@ -580,8 +593,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._shard(self.param_buffers, b).copy_(master)
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
-                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
-                            self._shard(self.param_buffers, b), group=self.process_group)
+                if self._per_shard_collectives:  # gloo: each owner broadcasts its shard
+                    flat = self.param_buffers[bucket.dtype]
+                    for q, src in enumerate(self._global_ranks):
+                        lo, hi = bucket.shard(q)
+                        dist.broadcast(flat[lo:hi], src=src, group=self.process_group)
+                else:
+                    _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                                self._shard(self.param_buffers, b), group=self.process_group)
         return True
 
     # --- checkpoints ------------------------------------------------------------------------------------
