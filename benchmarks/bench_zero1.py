@@ -4,9 +4,11 @@ ZeroRedundancyOptimizer, on 2 gloo processes (1 CPU thread each), same run.
 Timed per contender: the whole gradient sync + optimizer step + parameter sync, from gradients in
 ``p.grad`` on every rank to updated parameters on every rank:
 
-* ours: ``DistributedOptimizer.step()`` -- copy the gradients into the flat buffer, reduce-scatter (mean),
-  AdamW on this rank's shard, all-gather the parameters (with ``optbook.optim.AdamW`` inside, and with
-  ``torch.optim.AdamW`` inside);
+* ours: ``DistributedOptimizer.step()`` -- reduce-scatter (mean; the gradients are views of the flat
+  buffer, ``use_grad_buffer()``, so nothing is copied), check for inf/NaN, AdamW on this rank's shard,
+  all-gather the parameters (with ``optbook.optim.AdamW`` inside, and with ``torch.optim.AdamW`` inside).
+  On gloo the reduce-scatter is one ``reduce`` to each shard's owner and the all-gather one ``broadcast``
+  from each (gloo's ``reduce_scatter``/``all_gather_into_tensor`` are several times slower);
 * ``ZeroRedundancyOptimizer(torch.optim.AdamW)``: an all-reduce of the gradients (one flat buffer whose
   views are the ``.grad`` tensors, as DDP's ``gradient_as_bucket_view``: no copies, the most favourable
   case for it) and ``step()`` (AdamW on the parameters this rank owns, then a broadcast from each owner), in
@@ -96,8 +98,13 @@ def worker(rank: int, world_size: int, shapes: list, rounds: int, steps: int) ->
         "DDP-style (no sharding)": torch.optim.AdamW(params["DDP-style (no sharding)"], **kw),
     }
 
+    for kind in ("ours (optbook AdamW)", "ours (torch AdamW)"):  # gradients live in the flat buffer
+        for p, g in zip(params[kind], grads):
+            p.grad = g.clone()
+        assert opts[kind].use_grad_buffer() == len(shapes)
+
     def set_grads(kind):
-        if kind in flat:
+        if kind in flat or kind.startswith("ours"):
             for p, g in zip(params[kind], grads):
                 p.grad.copy_(g)  # in place: the views stay views of the flat buffer
         else:

@@ -242,6 +242,10 @@ def test_padding_and_clipping_match_the_single_process_numbers_and_padding_stays
             torch.testing.assert_close(c["params"][1], torch.tensor(final_B, dtype=torch.float64),
                                        rtol=0, atol=1e-9)
             assert c["padding_zero"]
+            views = report["padding_clip_views"]  # gradients written in place into the flat buffer
+            assert views["views"] == 2 and views["in_buffer"] and views["padding_zero"]
+            assert views["norms"] == c["norms"]
+            assert_bitwise(views["params"], c["params"])
             c32 = report["padding_clip32"]  # float32: the same values to 1e-6
             assert c32["norms"] == pytest.approx([1.6401219, 3.2802439, 4.9203658], abs=1e-6)
             torch.testing.assert_close(c32["params"][0], torch.tensor(final_A), rtol=0, atol=1e-6)

@@ -154,11 +154,12 @@ def _set_grads(params, grads) -> None:
 
 
 def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64,
-                       steps: int = 3, group=None) -> dict:
+                       steps: int = 3, group=None, grad_buffer: bool = False) -> dict:
     """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
     (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
     weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps
-    ``k = 1, 2, 3``.
+    ``k = 1, 2, 3``. ``grad_buffer``: the gradients are written into the views that
+    :meth:`~optbook.distributed.DistributedOptimizer.use_grad_buffer` made (no copy in ``step``).
 
     Returns:
         ``{"params": [A, B], "norms": [pre-clip norm per step], "pieces": this rank's pieces,
@@ -172,16 +173,23 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
                                param_alignment=1,
                                bucket_alignment=16)
     norms = []
+    views = opt.use_grad_buffer() if grad_buffer else 0
     for k in range(1, steps + 1):
-        A.grad = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
-        B.grad = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        gA = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
+        gB = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        if grad_buffer:
+            A.grad.copy_(gA)
+            B.grad.copy_(gB)
+        else:
+            A.grad, B.grad = gA, gB
         opt.step()
         norms.append(opt.last_grad_norm.item())
     real = sum(r.numel for r in opt.layout.params)
     padding_zero = all(bool((buf[real:] == 0).all()) for buf in (*opt.param_buffers.values(),
                                                                    *opt.grad_buffers.values()))
+    in_buffer = grad_buffer and A.grad.data_ptr() == opt.grad_buffers[dtype].data_ptr()
     return {"params": [A.detach(), B.detach()], "norms": norms, "pieces": opt.pieces,
-            "padding_zero": padding_zero}
+            "padding_zero": padding_zero, "views": views, "in_buffer": in_buffer}
 
 
 def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
@@ -423,6 +431,7 @@ def zero1_suite(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict
                     r, size, g, os.path.join(where(previous, "float64"), f"optim_rank{r % previous}.pt"))
             report["padding_clip"] = zero1_padding_clip(r, size, group=g)
             report["padding_clip32"] = zero1_padding_clip(r, size, group=g, dtype=torch.float32)
+            report["padding_clip_views"] = zero1_padding_clip(r, size, group=g, grad_buffer=True)
             report["bad_input"] = zero1_bad_input(r, size, group=g)
             report["scheduler"] = _zero1_scheduler_and_hooks(group=g)
         # the checkpoint was consolidated on the group's last rank: every process gets it for the next group

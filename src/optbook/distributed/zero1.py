@@ -426,6 +426,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lo, hi = bucket.shard(self.rank)
         return buffers[bucket.dtype][lo:hi]
 
+    def use_grad_buffer(self) -> int:
+        """Make the ``.grad`` of every float32/float64 parameter a view of the flat gradient buffer, so that
+        ``backward()`` accumulates straight into it and :meth:`step` skips copying it there (as
+        ``DistributedDataParallel(gradient_as_bucket_view=True)``). Not a collective.
+
+        :meth:`step` reduces the buffer in place, so afterwards these ``.grad`` tensors hold no meaningful
+        values: call ``zero_grad(set_to_none=False)`` before the next backward pass to keep the views
+        (``set_to_none=True``, the default, drops them; the next gradients are then copied as usual).
+        float16/bfloat16 parameters keep their own gradients (the buffer is float32).
+
+        Returns:
+            The number of parameters whose ``.grad`` is now a view (their current gradients are copied in;
+            ``None`` becomes zeros).
+        """
+        n = 0
+        with torch.no_grad():
+            for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
+                if r.dtype in _LOW_PRECISION or not r.numel:
+                    continue
+                view = self._grad_view(i).view(r.shape)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+                n += 1
+        return n
+
     def reload_model_params(self) -> None:
         """Copy this rank's pieces of the low-precision model parameters into their float32 masters (after
         editing the model's weights in place, identically on every rank). Not a collective."""
@@ -538,7 +566,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if r.numel:
                 if p.grad is None or error is not None:
                     self._grad_view(i).zero_()
-                else:
+                elif p.grad.data_ptr() != self._grad_view(i).data_ptr():  # else: already there (in place)
                     self._grad_view(i).view(r.shape).copy_(p.grad)
         # 2. reduce-scatter (SUM) bucket by bucket: rank r receives its shard, in place
         shard_grads = []
