@@ -14,7 +14,9 @@ Timed per contender: the whole gradient sync + optimizer step + parameter sync, 
   case for it) and ``step()`` (AdamW on the parameters this rank owns, then a broadcast from each owner), in
   its default mode (one broadcast per parameter) and with ``parameters_as_bucket_view=True`` (one per
   bucket);
-* for orientation, plain data parallelism: the same all-reduce and ``torch.optim.AdamW`` on every rank.
+* for orientation, plain data parallelism (the same all-reduce and ``torch.optim.AdamW`` on every rank),
+  and ours around ``torch.optim.AdamW(fused=True)`` (not part of the comparison: ZeroRedundancyOptimizer
+  above runs the unfused AdamW).
 
 Every contender starts from the same parameters and the same per-rank gradients; after the first
 (untimed) step their parameters must agree to 1e-6, or the benchmark stops. Then interleaved rounds of
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from optbook.distributed import DistributedOptimizer, launch
 
 KINDS = ["ours (optbook AdamW)", "ours (torch AdamW)", "ZeRO default", "ZeRO bucket view",
-         "DDP-style (no sharding)"]
+         "DDP-style (no sharding)", "ours (torch fused AdamW)"]
 
 
 def transformer_shapes(layers: int = 8, width: int = 384, vocab: int = 12288) -> list[tuple[int, ...]]:
@@ -96,9 +98,11 @@ def worker(rank: int, world_size: int, shapes: list, rounds: int, steps: int) ->
         "ZeRO bucket view": ZeroRedundancyOptimizer(params["ZeRO bucket view"], torch.optim.AdamW,
                                                     parameters_as_bucket_view=True, **kw),
         "DDP-style (no sharding)": torch.optim.AdamW(params["DDP-style (no sharding)"], **kw),
+        "ours (torch fused AdamW)": DistributedOptimizer(params["ours (torch fused AdamW)"], torch.optim.AdamW,
+                                                         fused=True, **kw),
     }
 
-    for kind in ("ours (optbook AdamW)", "ours (torch AdamW)"):  # gradients live in the flat buffer
+    for kind in [k for k in KINDS if k.startswith("ours")]:  # gradients live in the flat buffer
         for p, g in zip(params[kind], grads):
             p.grad = g.clone()
         assert opts[kind].use_grad_buffer() == len(shapes)
