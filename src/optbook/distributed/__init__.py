@@ -5,7 +5,9 @@
 ``torchrun``. :class:`DistributedOptimizer` is ZeRO-1 (chapter 13): each rank keeps the optimizer state of
 one shard of a flat parameter buffer. The functions the chapters run on every rank live in
 :mod:`optbook.distributed.workers`: spawned processes import them by name, so they cannot be defined in a
-notebook cell.
+notebook cell. ``python -m optbook.distributed.demo`` (:mod:`optbook.distributed.demo`) trains a small
+transformer with :class:`DistributedOptimizer` under ``torchrun`` (NCCL or gloo), or on local gloo
+processes.
 """
 
 from .launch import init_from_env, launch

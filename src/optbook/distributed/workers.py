@@ -476,7 +476,8 @@ def _wrong_size_error(rank: int, world_size: int, group, path: str) -> dict:
 
 def _zero1_scheduler_and_hooks(group=None) -> dict:
     """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
-    the hook calls (each hook must run once per step)."""
+    the hook calls (each hook must run once per step); then a third step with an ``inf`` in the last rank's
+    gradient and no loss scaler, which every rank must skip ("inf_applied", "inf_untouched")."""
     from .zero1 import DistributedOptimizer
 
     p = torch.ones(3, dtype=torch.float64, requires_grad=True)
@@ -491,7 +492,14 @@ def _zero1_scheduler_and_hooks(group=None) -> dict:
         assert opt.step()
         lrs.append(opt.optimizer.param_groups[0]["lr"])  # what the shard step used
         sched.step()
-    return {"calls": calls, "lrs": lrs, "param": p.detach()}
+    # an inf in the last rank's gradient, no loss scaler: found on the shard's owner, every rank skips
+    before = p.detach().clone()
+    p.grad = torch.ones(3, dtype=torch.float64)
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        p.grad[0] = float("inf")
+    applied = opt.step()
+    return {"calls": calls, "lrs": lrs, "param": before, "inf_applied": applied,
+            "inf_untouched": torch.equal(before, p.detach()), "skipped_steps": opt.skipped_steps}
 
 
 def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
