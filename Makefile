@@ -87,6 +87,7 @@ sweep: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_adamw.py
 	$(BIN)/python benchmarks/bench_muon.py
+	$(RUN) $(BIN)/python benchmarks/bench_zero1.py
 
 clean:
 	rm -rf _build .pytest_cache

@@ -26,10 +26,11 @@ STEPS, CHECKPOINT_AT = 6, 3
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     """{world size: [group rank 0's report, rank 1's, ...]} from one launch of 4 processes, which runs the
-    checks on groups of 2, 3 and 4 of them (SUITE_GROUPS); 3 resumes from 2's checkpoint, 4 from 3's."""
-    out = launch(zero1_suite, 4, timeout=90.0)
+    checks on groups of 2, 3 and 4 of them (SUITE_GROUPS); 3 resumes from 2's checkpoint, 4 from 3's; the
+    sharded checkpoints (one file per rank) go to a temporary directory."""
+    out = launch(zero1_suite, 4, str(tmp_path_factory.mktemp("zero1_sharded")), timeout=90.0)
     return {size: [out[g][size] for g in ranks] for size, ranks in SUITE_GROUPS.items()}
 
 
@@ -167,6 +168,44 @@ def test_a_checkpoint_from_another_world_size_continues_bit_for_bit(runs, world_
             assert_bitwise(report[kind + "_resumed"]["params"], params)
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_sharded_checkpoint_resumed_from_each_ranks_own_file_continues_bit_for_bit(runs, world_size):
+    for kind, low in (("float64", False), ("bfloat16", True)):
+        params, opt = reference(low_precision=low)
+        for report in runs[world_size]:
+            r = report[kind + "_sharded_own"]
+            assert_bitwise(r["params"], params)
+            assert r["skipped_steps"] == (1 if low else 0)
+        sd = runs[world_size][0][kind + "_sharded_own"]["state_dict"]  # m, v, steps and masters too
+        ref = opt.state_dict()
+        assert_state_dicts_equal(sd, ref["optimizer"] if low else ref)
+        if low:
+            assert_bitwise([sd["master_params"][i] for i in range(6)], ref["master_params"])
+            assert sd["loss_scaler"] == ref["loss_scaler"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sharded_checkpoints_reshard_to_another_world_size_and_continue_bit_for_bit(runs, world_size):
+    """3 ranks load the 2 files of the 2-rank run, 4 ranks the 3 files, 2 ranks the 4 files."""
+    for kind, low in (("float64", False), ("bfloat16", True)):
+        params, _ = reference(low_precision=low)
+        for report in runs[world_size]:
+            assert_bitwise(report[kind + "_resharded"]["params"], params)
+
+
+@pytest.mark.parametrize("world_size, saved", [(3, 2), (4, 3)])
+def test_one_sharded_file_from_another_world_size_is_refused_naming_both_sizes(runs, world_size, saved):
+    for rank, report in enumerate(runs[world_size]):
+        kind, message = report["wrong_size"]["one_file"]
+        assert kind == "ValueError"
+        assert f"saved by rank {rank % saved} of {saved}: world size {saved}, this group has {world_size}" \
+            in message and f"list of all {saved} files" in message
+        kind, message = report["wrong_size"]["missing"]  # a list without the last rank's file
+        assert kind == "ValueError"
+        assert f"got ranks {list(range(saved - 1))} saved at world sizes [{saved}]" in message
+        assert report["wrong_size"]["untouched"]
+
+
 def test_a_checkpoint_loads_into_single_process_adamw_and_torch_optim_adamw(runs):
     """The 4-process checkpoint (plain torch.optim layout) resumes one process: optbook's AdamW bit for bit,
     torch.optim.AdamW to 1e-12 (the same algorithm, other float64 arithmetic)."""
@@ -203,7 +242,18 @@ def test_padding_and_clipping_match_the_single_process_numbers_and_padding_stays
             torch.testing.assert_close(c["params"][1], torch.tensor(final_B, dtype=torch.float64),
                                        rtol=0, atol=1e-9)
             assert c["padding_zero"]
-    assert runs[4][3]["padding_clip"]["pieces"] == []  # the padding-only rank took part without hanging
+            views = report["padding_clip_views"]  # gradients written in place into the flat buffer
+            assert views["views"] == 2 and views["in_buffer"] and views["padding_zero"]
+            assert views["norms"] == c["norms"]
+            assert_bitwise(views["params"], c["params"])
+            c32 = report["padding_clip32"]  # float32: the same values to 1e-6
+            assert c32["norms"] == pytest.approx([1.6401219, 3.2802439, 4.9203658], abs=1e-6)
+            torch.testing.assert_close(c32["params"][0], torch.tensor(final_A), rtol=0, atol=1e-6)
+            torch.testing.assert_close(c32["params"][1], torch.tensor(final_B), rtol=0, atol=1e-6)
+            assert c32["padding_zero"]
+    # at 4 ranks rank 2 holds one real element (B[1, 1]) and rank 3 only padding; both took part (no hang)
+    assert [[(p.index, p.param_start, p.param_end) for p in r["padding_clip"]["pieces"]] for r in runs[4]] \
+        == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(1, 3, 4)], []]
 
 
 # --- multi-process: bad input and failures -----------------------------------------------------------
@@ -238,5 +288,12 @@ def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():
 def test_step_hooks_run_once_per_step_and_a_scheduler_sets_the_lr_the_shards_use(runs):
     for report in runs[2]:
         r = report["scheduler"]
-        assert r["calls"] == ["pre", "post", "pre", "post"]
+        assert r["calls"] == ["pre", "post", "pre", "post", "pre", "post"]
         assert r["lrs"] == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_an_inf_on_one_rank_without_a_loss_scaler_makes_every_rank_skip(runs, world_size):
+    for report in runs[world_size]:  # 2 and 4: mean and check fused in one pass; 3: divide, then check
+        r = report["scheduler"]
+        assert r["inf_applied"] is False and r["inf_untouched"] and r["skipped_steps"] == 1

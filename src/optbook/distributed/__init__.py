@@ -1,4 +1,4 @@
-"""Several processes, one training run. Explained in chapters 12 and 13.
+"""Several processes, one training run. Explained in chapters 12, 13 and 14.
 
 :func:`launch` runs a function on several local processes joined by a ``torch.distributed`` process group
 (the notebooks' stand-in for ``torchrun``); :func:`init_from_env` joins the group of a script started by
@@ -9,6 +9,9 @@ notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT 
 :class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a gather of each full matrix),
 :class:`DistributedChain` (one global gradient norm with a ZeRO-1 AdamW) and
 :func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards).
+``python -m optbook.distributed.demo`` (:mod:`optbook.distributed.demo`) trains a small
+transformer with :class:`DistributedOptimizer` under ``torchrun`` (NCCL or gloo), or on local gloo
+processes.
 """
 
 from .launch import init_from_env, launch

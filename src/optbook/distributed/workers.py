@@ -6,6 +6,8 @@ import the function by name. Each takes ``(rank, world_size, ...)`` and returns 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -153,11 +155,12 @@ def _set_grads(params, grads) -> None:
 
 
 def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch.float64,
-                       steps: int = 3, group=None) -> dict:
+                       steps: int = 3, group=None, grad_buffer: bool = False) -> dict:
     """Two parameters on ``world_size`` ranks, flat buffer padded to a multiple of ``lcm(world_size, 16)``
     (at 4 ranks: 9 elements in 16, rank 2 holds one real element and rank 3 only padding): AdamW (lr 0.1,
     weight decay 0.01) with a global clip at 1.0, gradients ``k * gA`` and ``k * gB`` at steps
-    ``k = 1, 2, 3``.
+    ``k = 1, 2, 3``. ``grad_buffer``: the gradients are written into the views that
+    :meth:`~optbook.distributed.DistributedOptimizer.use_grad_buffer` made (no copy in ``step``).
 
     Returns:
         ``{"params": [A, B], "norms": [pre-clip norm per step], "pieces": this rank's pieces,
@@ -171,21 +174,29 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
                                param_alignment=1,
                                bucket_alignment=16)
     norms = []
+    views = opt.use_grad_buffer() if grad_buffer else 0
     for k in range(1, steps + 1):
-        A.grad = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
-        B.grad = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        gA = k * torch.tensor([0.1, -0.1, 0.2, -0.2, 0.3], dtype=dtype)
+        gB = k * torch.tensor([[0.5, -0.5], [1.0, -1.0]], dtype=dtype)
+        if grad_buffer:
+            A.grad.copy_(gA)
+            B.grad.copy_(gB)
+        else:
+            A.grad, B.grad = gA, gB
         opt.step()
         norms.append(opt.last_grad_norm.item())
     real = sum(r.numel for r in opt.layout.params)
     padding_zero = all(bool((buf[real:] == 0).all()) for buf in (*opt.param_buffers.values(),
                                                                    *opt.grad_buffers.values()))
+    in_buffer = grad_buffer and A.grad.data_ptr() == opt.grad_buffers[dtype].data_ptr()
     return {"params": [A.detach(), B.detach()], "norms": norms, "pieces": opt.pieces,
-            "padding_zero": padding_zero}
+            "padding_zero": padding_zero, "views": views, "in_buffer": in_buffer}
 
 
 def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, resume: dict | None = None,
                 group=None, checkpoint_at: int = 3, bucket_size: int | None = 200,
-                low_precision: bool = False, overflow_at: tuple = (), lr_change_at: int = 2) -> dict:
+                low_precision: bool = False, overflow_at: tuple = (), lr_change_at: int = 2,
+                save_dir: str | None = None, resume_dir: str | None = None, own_file: bool = False) -> dict:
     """Train :func:`zero1_problem` with :class:`~optbook.distributed.DistributedOptimizer` (AdamW, lr 0.01).
 
     float64 (``low_precision=False``): each rank gets its own :func:`zero1_grads`. bfloat16 with a
@@ -199,6 +210,12 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
             run continues.
         group: the process group (``None``: all processes); ``rank`` and ``world_size`` are this process's
             rank in it and its size (as for :func:`zero1_padding_clip` and :func:`zero1_bad_input`).
+        save_dir: also write a sharded checkpoint at step ``checkpoint_at`` into this existing directory:
+            ``optim_rank{r}.pt`` (:meth:`~optbook.distributed.DistributedOptimizer.sharded_state_dict`) from
+            every rank and ``model.pt`` (the parameters) from rank 0.
+        resume_dir: start from the sharded checkpoint in this directory instead (saved at any world size):
+            every rank loads the list of all ``optim_rank*.pt`` files (resharding), or with ``own_file``
+            only ``optim_rank{rank}.pt`` (same world size only).
 
     Returns:
         ``{"params": final parameters, "state_dict": consolidated at the end (rank 0, else None),
@@ -213,6 +230,8 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
     params, groups = zero1_problem(seed, dtype)
     scaler = DynamicLossScaler(2.0**10, growth_interval=2, hysteresis=1) if low_precision else None
     start = 0
+    if resume_dir is not None:
+        resume = {"params": torch.load(os.path.join(resume_dir, "model.pt"))}
     if resume is not None:
         with torch.no_grad():
             for p, saved in zip(params, resume["params"]):
@@ -220,7 +239,14 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
         start = checkpoint_at
     opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=bucket_size,
                                loss_scaler=scaler)
-    if resume is not None:
+    if resume_dir is not None:
+        if own_file:
+            opt.load_sharded_state_dict(torch.load(os.path.join(resume_dir, f"optim_rank{rank}.pt")))
+        else:
+            saved_size = len([f for f in os.listdir(resume_dir) if f.startswith("optim_rank")])
+            opt.load_sharded_state_dict([torch.load(os.path.join(resume_dir, f"optim_rank{r}.pt"))
+                                         for r in range(saved_size)])
+    elif resume is not None:
         opt.load_state_dict(resume["optimizer"])
     checkpoint, applied, scales = None, [], []
     for t in range(start, steps):
@@ -228,6 +254,10 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
             opt.consolidate_state_dict(to=world_size - 1)
             if rank == world_size - 1:
                 checkpoint = {"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}
+            if save_dir is not None:
+                torch.save(opt.sharded_state_dict(), os.path.join(save_dir, f"optim_rank{rank}.pt"))
+                if rank == 0:
+                    torch.save([p.detach().clone() for p in params], os.path.join(save_dir, "model.pt"))
         if t == lr_change_at:
             opt.param_groups[0]["lr"] = 0.02
         grads = zero1_grads(params, t, rank, world_size, seed, same_on_every_rank=low_precision)
@@ -344,7 +374,7 @@ def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_ste
 SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
 
 
-def zero1_suite(rank: int, world_size: int) -> dict:
+def zero1_suite(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
     """Every ZeRO-1 check of ``tests/test_zero1.py`` in one launch of 4 processes (a launch costs seconds of
     imports per process): the checks run on 2, 3 and 4 of them, one process group each.
 
@@ -352,39 +382,103 @@ def zero1_suite(rank: int, world_size: int) -> dict:
     group's rank 0 is not global rank 0 (the broadcast and gather of DistributedOptimizer name global
     ranks). On each group: :func:`zero1_train` in float64 and in bfloat16 with a loss scaler and an overflow
     at step 2, from step 0 and (3 and 4 ranks) resumed from the checkpoint of the group before;
-    :func:`zero1_padding_clip`; :func:`zero1_bad_input`; a scheduler and step hooks.
+    :func:`zero1_padding_clip` (float64 and float32); :func:`zero1_bad_input`; a scheduler and step hooks.
+
+    With ``ckpt_dir`` (an existing directory shared by the processes) each group also writes sharded
+    checkpoints (one file per rank) into ``ckpt_dir/w{size}-{kind}`` and resumes from them: from its own
+    files (``*_sharded_own``, same world size), and from all files of the group before (``*_resharded``:
+    3 from 2, 4 from 3, and at the end 2 from 4); ``"wrong_size"`` is the error of loading one file saved at
+    another world size (``None`` when it did not raise).
 
     Returns:
         ``{size: report or None}`` for sizes 2, 3, 4 (``None`` where this process is not in the group); a
         report is ``{"float64", "bfloat16", "float64_resumed", "bfloat16_resumed", "padding_clip",
-        "bad_input", "scheduler"}`` (the dicts those functions return; ``*_resumed`` is ``None`` at 2 ranks).
+        "padding_clip32", "bad_input", "scheduler"}`` (the dicts those functions return; ``*_resumed`` is
+        ``None`` at 2 ranks), with ``ckpt_dir`` also ``"float64_sharded_own", "bfloat16_sharded_own",
+        "float64_resharded", "bfloat16_resharded", "wrong_size"``.
     """
     if world_size != 4:
         raise ValueError(f"Invalid world_size: zero1_suite runs on 4 processes, got {world_size}")
     groups = {size: dist.new_group(ranks) for size, ranks in SUITE_GROUPS.items()}  # every rank, same order
-    out, resume = {}, None
+    kinds = (("float64", False), ("bfloat16", True))
+
+    def where(size, kind):
+        path = os.path.join(ckpt_dir, f"w{size}-{kind}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    out, resume, previous = {}, None, None
     for size, ranks in SUITE_GROUPS.items():
         report = None
         if rank in ranks:
             g, r = groups[size], ranks.index(rank)
-            report = {"float64": zero1_train(r, size, group=g),
-                      "bfloat16": zero1_train(r, size, low_precision=True, overflow_at=(2,), group=g)}
-            for kind, low in (("float64", False), ("bfloat16", True)):
+            report = {}
+            for kind, low in kinds:
+                save = None if ckpt_dir is None else where(size, kind)
+                report[kind] = zero1_train(r, size, low_precision=low, overflow_at=(2,) if low else (),
+                                           group=g, save_dir=save)
+            for kind, low in kinds:
                 report[kind + "_resumed"] = None if resume is None else zero1_train(
                     r, size, low_precision=low, overflow_at=(2,), resume=resume[kind], group=g)
+            if ckpt_dir is not None:
+                for kind, low in kinds:
+                    report[kind + "_sharded_own"] = zero1_train(r, size, low_precision=low, overflow_at=(2,),
+                                                                group=g, resume_dir=where(size, kind),
+                                                                own_file=True)
+                    report[kind + "_resharded"] = None if previous is None else zero1_train(
+                        r, size, low_precision=low, overflow_at=(2,), group=g,
+                        resume_dir=where(previous, kind))
+                report["wrong_size"] = None if previous is None else _wrong_size_error(
+                    r, size, g, os.path.join(where(previous, "float64"), f"optim_rank{r % previous}.pt"))
             report["padding_clip"] = zero1_padding_clip(r, size, group=g)
+            report["padding_clip32"] = zero1_padding_clip(r, size, group=g, dtype=torch.float32)
+            report["padding_clip_views"] = zero1_padding_clip(r, size, group=g, grad_buffer=True)
             report["bad_input"] = zero1_bad_input(r, size, group=g)
             report["scheduler"] = _zero1_scheduler_and_hooks(group=g)
         # the checkpoint was consolidated on the group's last rank: every process gets it for the next group
         shared = [None if report is None else {k: report[k]["checkpoint"] for k in ("float64", "bfloat16")}]
         dist.broadcast_object_list(shared, src=ranks[-1])
-        resume, out[size] = shared[0], report
+        resume, out[size], previous = shared[0], report, size
+    if ckpt_dir is not None:  # shrink: the 2-rank group resumes from the 4-rank files
+        ranks = SUITE_GROUPS[2]
+        if rank in ranks:
+            g, r = groups[2], ranks.index(rank)
+            for kind, low in kinds:
+                out[2][kind + "_resharded"] = zero1_train(r, 2, low_precision=low, overflow_at=(2,), group=g,
+                                                          resume_dir=where(4, kind))
+        dist.barrier()
+    return out
+
+
+def _wrong_size_error(rank: int, world_size: int, group, path: str) -> dict:
+    """The errors of loading sharded files wrongly: ``"one_file"``, one file saved at another world size;
+    ``"missing"``, the list of that save's files without its last one. Each ``(type name, message)`` or
+    ``None`` when nothing was raised; afterwards the parameters must still be the initial ones
+    (``"untouched"``)."""
+    from .zero1 import DistributedOptimizer
+
+    params, groups = zero1_problem()
+    before = [p.detach().clone() for p in params]
+    opt = DistributedOptimizer(groups, process_group=group, lr=0.01, bucket_size=200)
+    folder = os.path.dirname(path)
+    saved_size = len([f for f in os.listdir(folder) if f.startswith("optim_rank")])
+    out = {}
+    for name, shards in (("one_file", lambda: torch.load(path)),
+                         ("missing", lambda: [torch.load(os.path.join(folder, f"optim_rank{r}.pt"))
+                                              for r in range(saved_size - 1)])):
+        try:
+            opt.load_sharded_state_dict(shards())
+            out[name] = None
+        except (TypeError, ValueError) as e:
+            out[name] = (type(e).__name__, str(e))
+    out["untouched"] = _bitwise_equal(before, [p.detach() for p in params]) and not opt.optimizer.state
     return out
 
 
 def _zero1_scheduler_and_hooks(group=None) -> dict:
     """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
-    the hook calls (each hook must run once per step)."""
+    the hook calls (each hook must run once per step); then a third step with an ``inf`` in the last rank's
+    gradient and no loss scaler, which every rank must skip ("inf_applied", "inf_untouched")."""
     from .zero1 import DistributedOptimizer
 
     p = torch.ones(3, dtype=torch.float64, requires_grad=True)
@@ -399,7 +493,14 @@ def _zero1_scheduler_and_hooks(group=None) -> dict:
         assert opt.step()
         lrs.append(opt.optimizer.param_groups[0]["lr"])  # what the shard step used
         sched.step()
-    return {"calls": calls, "lrs": lrs, "param": p.detach()}
+    # an inf in the last rank's gradient, no loss scaler: found on the shard's owner, every rank skips
+    before = p.detach().clone()
+    p.grad = torch.ones(3, dtype=torch.float64)
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        p.grad[0] = float("inf")
+    applied = opt.step()
+    return {"calls": calls, "lrs": lrs, "param": before, "inf_applied": applied,
+            "inf_untouched": torch.equal(before, p.detach()), "skipped_steps": opt.skipped_steps}
 
 
 def chapter_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:

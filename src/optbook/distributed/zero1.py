@@ -19,20 +19,29 @@ parameter inside it is a :class:`Piece`.
 One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
 
     flat_grad[param] = p.grad                      every rank, its own micro-batch's gradient
-    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r ...
+    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r (gloo: a
+                                                    reduce of shard q to rank q, for each q) ...
     flat_grad[shard r] /= world_size                 ... and takes the mean
     flat_grad[shard r] /= S; found_inf             (with a loss scaler S)
     all_reduce([found_inf, has_grad...], MAX)       every rank skips together, one scale update
     clip by sqrt(all_reduce(sum of squares, SUM))   (max_grad_norm) each element counted once
     inner optimizer step on the pieces of shard r   float32 masters and m, v for shard r only
     flat_param[shard r] = master[shard r]           (float16/bfloat16: one rounding)
-    all_gather(flat_param, flat_param[shard r])     every rank has every updated parameter
+    all_gather(flat_param, flat_param[shard r])     every rank has every updated parameter (gloo: a
+                                                    broadcast of shard q from rank q, for each q)
 
 Memory per parameter (bytes, ``d`` = world size, AdamW): bfloat16/float16 parameters with float32
 gradient reduction: 2 (parameter) + 4 (gradient buffer) + 12/d (float32 master, m, v); float32
 parameters: 4 + 4 + 8/d (the parameter is its own master). Without ZeRO the same is 18 and 16
 (Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``). :meth:`DistributedOptimizer.memory_bytes`
 measures it.
+
+Checkpoints come in two kinds. Consolidated (:meth:`DistributedOptimizer.consolidate_state_dict`, then
+``state_dict()`` on one rank): the plain ``torch.optim`` layout, loadable at any world size and into a
+single-process optimizer. Sharded (:meth:`DistributedOptimizer.sharded_state_dict`, one file per rank,
+no communication): each rank's pieces of m, v and the masters, with the piece boundaries as layout
+metadata; :meth:`DistributedOptimizer.load_sharded_state_dict` takes the rank's own file (same world size)
+or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 """
 
 from __future__ import annotations
@@ -49,7 +58,10 @@ from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
 
-__all__ = ["Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
+__all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
+
+#: The ``"format"`` entry of :meth:`DistributedOptimizer.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.DistributedOptimizer.sharded/1"
 
 #: Parameter dtypes that get float32 masters and float32 gradient buffers.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -142,6 +154,11 @@ class Layout:
     def padding(self, rank: int) -> int:
         """Elements of rank ``rank``'s shards that belong to no parameter."""
         return sum(b.shard_numel for b in self.buckets) - sum(p.numel for p in self.pieces(rank))
+
+
+def _is_power_of_two(x) -> bool:
+    """Whether ``x`` (an int or a finite float > 0) is ``2 ** k`` for an integer ``k``."""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -339,6 +356,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._consolidated: dict | None = None
         self._params = all_params
         self.device = next(iter(devices))
+        self._global_ranks = [q if group is dist.group.WORLD else dist.get_global_rank(group, q)
+                              for q in range(world_size)]
+        # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its reduce and
+        # broadcast on the same bytes (measured: benchmarks/bench_zero1.py); NCCL's are the fast path.
+        self._per_shard_collectives = dist.get_backend(group) == "gloo" and world_size > 1
 
         with torch.no_grad():
             self.param_buffers: dict = {}
@@ -422,6 +444,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lo, hi = bucket.shard(self.rank)
         return buffers[bucket.dtype][lo:hi]
 
+    def use_grad_buffer(self) -> int:
+        """Make the ``.grad`` of every float32/float64 parameter a view of the flat gradient buffer, so that
+        ``backward()`` accumulates straight into it and :meth:`step` skips copying it there (as
+        ``DistributedDataParallel(gradient_as_bucket_view=True)``). Not a collective.
+
+        :meth:`step` reduces the buffer in place, so afterwards these ``.grad`` tensors hold no meaningful
+        values: call ``zero_grad(set_to_none=False)`` before the next backward pass to keep the views
+        (``set_to_none=True``, the default, drops them; the next gradients are then copied as usual).
+        float16/bfloat16 parameters keep their own gradients (the buffer is float32).
+
+        Returns:
+            The number of parameters whose ``.grad`` is now a view (their current gradients are copied in;
+            ``None`` becomes zeros).
+        """
+        n = 0
+        with torch.no_grad():
+            for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
+                if r.dtype in _LOW_PRECISION or not r.numel:
+                    continue
+                view = self._grad_view(i).view(r.shape)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+                n += 1
+        return n
+
     def reload_model_params(self) -> None:
         """Copy this rank's pieces of the low-precision model parameters into their float32 masters (after
         editing the model's weights in place, identically on every rank). Not a collective."""
@@ -469,13 +519,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 i += 1
 
     def _unscale_and_check(self, shard_grads: list[torch.Tensor]) -> bool:
-        """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``."""
-        for g in shard_grads:
-            g.div_(self.world_size)
-        if self.loss_scaler is None:
-            return bool(shard_grads) and not all_finite(shard_grads)
+        """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``.
+
+        When the world size and ``S`` are powers of two, ``g * (1 / (d S))`` is exactly ``(g / d) / S``, so
+        one fused pass (``torch._amp_foreach_non_finite_check_and_unscale_``) divides and checks; otherwise
+        the division by ``d`` is its own pass."""
+        if not shard_grads:
+            return False
+        scale = self.loss_scale
+        if _is_power_of_two(self.world_size) and _is_power_of_two(scale):
+            inv = 1.0 / (self.world_size * scale)
+        else:
+            for g in shard_grads:
+                g.div_(self.world_size)
+            if self.loss_scaler is None:
+                return not all_finite(shard_grads)
+            inv = 1.0 / scale
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), inv, dtype=torch.float32, device=self.device)
         by_dtype: dict = {}
         for g in shard_grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -524,20 +585,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         has_grad = [p.grad is not None for p in self._params]
-        # 1. the flat gradient of this rank (the model's .grad is only read)
-        for buf in self.grad_buffers.values():
-            buf.zero_()
-        if error is None:
-            for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
-                if p.grad is not None and r.numel:
+        # 1. the flat gradient of this rank (the model's .grad is only read). Padding is never written (the
+        #    reduce-scatter of zeros gives zeros), so only the ranges without a gradient are zeroed.
+        for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
+            if r.numel:
+                if p.grad is None or error is not None:
+                    self._grad_view(i).zero_()
+                elif p.grad.data_ptr() != self._grad_view(i).data_ptr():  # else: already there (in place)
                     self._grad_view(i).view(r.shape).copy_(p.grad)
         # 2. reduce-scatter (SUM) bucket by bucket: rank r receives its shard, in place
         shard_grads = []
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
                 shard = self._shard(self.grad_buffers, b)
-                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
-                                group=self.process_group)
+                if self._per_shard_collectives:  # gloo: one reduce to each shard's owner
+                    flat = self.grad_buffers[bucket.dtype]
+                    for q, dst in enumerate(self._global_ranks):
+                        lo, hi = bucket.shard(q)
+                        dist.reduce(flat[lo:hi], dst=dst, group=self.process_group)
+                else:
+                    _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                    group=self.process_group)
                 shard_grads.append(shard)
         # 3. mean, unscale, look for inf/NaN on this rank's shards
         found_inf = self._unscale_and_check(shard_grads) if error is None else False
@@ -581,8 +649,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._shard(self.param_buffers, b).copy_(master)
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
-                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
-                            self._shard(self.param_buffers, b), group=self.process_group)
+                if self._per_shard_collectives:  # gloo: each owner broadcasts its shard
+                    flat = self.param_buffers[bucket.dtype]
+                    for q, src in enumerate(self._global_ranks):
+                        lo, hi = bucket.shard(q)
+                        dist.broadcast(flat[lo:hi], src=src, group=self.process_group)
+                else:
+                    _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                                self._shard(self.param_buffers, b), group=self.process_group)
         return True
 
     # --- checkpoints ------------------------------------------------------------------------------------
@@ -599,6 +673,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         to = _check_int("to", to, 0)
         if to >= self.world_size:
             raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
+        local = self._local_pieces()
+        gathered = [None] * self.world_size if self.rank == to else None
+        world = self.process_group is dist.group.WORLD
+        dst = to if world else dist.get_global_rank(self.process_group, to)
+        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        self._consolidated = self._assemble(gathered) if self.rank == to else None
+
+    def _local_pieces(self) -> list[tuple]:
+        """``(index, param_start, param_end, state, master or None)`` per piece of this rank, on the CPU."""
         local = []
         for piece, target in zip(self.pieces, self._piece_params):
             state = self.optimizer.state.get(target, {})
@@ -606,11 +689,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                      for k, v in state.items()}
             master = target.detach().cpu().clone() if piece.bucket in self.master_shards else None
             local.append((piece.index, piece.param_start, piece.param_end, state, master))
-        gathered = [None] * self.world_size if self.rank == to else None
-        world = self.process_group is dist.group.WORLD
-        dst = to if world else dist.get_global_rank(self.process_group, to)
-        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
-        self._consolidated = self._assemble(gathered) if self.rank == to else None
+        return local
 
     def _assemble(self, gathered: list) -> dict:
         flat_state: dict[int, dict] = {}
@@ -758,3 +837,107 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if piece.index in masters:
                     target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
         self._consolidated = None
+
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the optimizer state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in
+            param-group order, "pieces": [(index, param_start, param_end, state, master)], "param_groups",
+            "loss_scaler", "skipped_steps"}``: for each piece this rank owns, elements ``param_start ..
+            param_end - 1`` of the flattened parameter ``index``, its inner-optimizer state (element-wise
+            tensors such as ``exp_avg``, ``exp_avg_sq`` of the piece's length; the step count) and its
+            float32 master (``None`` for a float32/float64 parameter, which is its own master). Tensors are
+            CPU copies; only plain types, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip
+            it. Padding is not stored. The model's parameters are not included: save them separately (they
+            are the same on every rank, e.g. ``model.state_dict()`` on rank 0).
+        """
+        groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                           "params": list(range(i, i + n))})
+            i += n
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "params": [(tuple(r.shape), str(r.dtype)) for r in self.layout.params],
+                "pieces": self._local_pieces(), "param_groups": groups,
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load sharded checkpoints from :meth:`sharded_state_dict`. Not a collective.
+
+        Args:
+            shards: either **this rank's own** dict (saved by the rank of the same number at the same world
+                size and layout: the fast path, each rank reads one file), or a list of **every** rank's
+                dict of one save, at any world size (each rank reads all files and keeps the elements its
+                own pieces cover: resharding). Either way the run continues exactly as the uninterrupted
+                one (bitwise: the state is copied, not recomputed).
+
+        With the list, float16/bfloat16 masters are also rounded into the model parameters (as
+        :meth:`load_state_dict`); with one dict only this rank's masters are restored and the model
+        parameters must come from the model checkpoint (they are the rounded masters).
+
+        Raises:
+            TypeError: ``shards`` is neither a dict nor a list/tuple of dicts of this format.
+            ValueError: one dict saved at another world size, or by another rank, or with other pieces
+                (another ``bucket_size`` or alignment) -- the message names both sides and says to pass all
+                files to reshard; a list that is not exactly ranks ``0 .. W - 1`` of one save at world size
+                ``W``; parameters of other shapes or dtypes (naming the first); what
+                :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        if isinstance(shards, dict):
+            self._check_sharded(shards, "shards")
+            own = [(p.index, p.param_start, p.param_end) for p in self.pieces]
+            saved = [tuple(p[:3]) for p in shards["pieces"]]
+            if shards["world_size"] != self.world_size or shards["rank"] != self.rank or saved != own:
+                what = (f"world size {shards['world_size']}, this group has {self.world_size}"
+                        if shards["world_size"] != self.world_size else
+                        f"rank {shards['rank']}, this is rank {self.rank}" if shards["rank"] != self.rank
+                        else "other pieces (another bucket_size or alignment)")
+                raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                                 f"{shards['world_size']}: {what}; to reshard, pass the list of all "
+                                 f"{shards['world_size']} files of that save")
+            consolidated = self._assemble([shards["pieces"]])
+            whole = False
+            meta = shards
+        elif isinstance(shards, (list, tuple)) and shards:
+            for k, sd in enumerate(shards):
+                self._check_sharded(sd, f"shards[{k}]")
+            sizes = sorted({sd["world_size"] for sd in shards})
+            ranks = sorted(sd["rank"] for sd in shards)
+            if len(sizes) != 1 or ranks != list(range(sizes[0])):
+                raise ValueError(f"Invalid shards: expected the files of ranks 0 .. W - 1 of one save at "
+                                 f"world size W, got ranks {ranks} saved at world sizes {sizes}")
+            ordered = sorted(shards, key=lambda sd: sd["rank"])
+            consolidated = self._assemble([sd["pieces"] for sd in ordered])
+            whole = True
+            meta = ordered[0]
+        else:
+            raise TypeError(f"Invalid shards: expected this rank's dict from sharded_state_dict() or a list of "
+                            f"every rank's, got {type(shards).__name__}")
+        consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta["loss_scaler"],
+                            skipped_steps=meta["skipped_steps"])
+        if whole:
+            self.load_state_dict(consolidated)
+            return
+        consolidated["master_params"] = {}  # other ranks' parts are absent: restore only this rank's below
+        self.load_state_dict(consolidated)
+        with torch.no_grad():  # the pieces equal the saved ones (checked above)
+            for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
+                if master is not None:
+                    target.copy_(master)
+
+    def _check_sharded(self, sd, name: str) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT:
+            raise TypeError(f"Invalid {name}: expected a dict from DistributedOptimizer.sharded_state_dict() "
+                            f"(format {SHARDED_FORMAT!r}), got {type(sd).__name__}")
+        mine = [(tuple(r.shape), str(r.dtype)) for r in self.layout.params]
+        theirs = [(tuple(shape), dtype) for shape, dtype in sd["params"]]
+        if len(theirs) != len(mine):
+            raise ValueError(f"Invalid {name}: it holds {len(theirs)} parameters, this optimizer has {len(mine)}")
+        for i, (a, b) in enumerate(zip(theirs, mine)):
+            if a != b:
+                raise ValueError(f"Invalid {name}: parameter {i} was saved with shape and dtype {a}, this "
+                                 f"optimizer's is {b}")
