@@ -22,7 +22,8 @@ def test_tensor_step_count_and_lr_give_the_eager_functional_step(decoupled, amsg
     shapes = [(5, 3), (7,)]
     ref = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
     new = [p.clone() for p in ref]
-    state = {k: [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(3)] for k in ("ref", "new")}
+    state = {k: [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(3)]
+             for k in ("ref", "new")}
     hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=decoupled,
                  amsgrad=amsgrad, maximize=maximize)
     for t, lr in zip((1, 2, 3), (1e-2, 5e-3, 2e-3)):

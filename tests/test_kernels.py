@@ -251,8 +251,9 @@ def test_importing_the_kernels_module_does_not_import_triton():
 
 
 def test_muon_passes_gram_to_newton_schulz_and_symmetric_steps_like_plain(interpret, monkeypatch):
-    # reference: Muon(gram="plain"), torch's bmm path; the same tolerance reasoning as the symmetric-vs-plain
-    # newton_schulz test above (both round each bf16 product once, in different orders), for 3 steps of lr 0.02
+    # reference: Muon(gram="plain"), torch's bmm path; the same tolerance reasoning as the symmetric-vs-
+    # plain newton_schulz test above (both round each bf16 product once, in different orders), for 3 steps
+    # of lr 0.02
     from optbook.optim import Muon
     muon_module = sys.modules["optbook.optim.muon"]   # the module (optbook.optim.muon is the function)
     seen = []

@@ -21,6 +21,8 @@ from .sgd import SGD, sgd
 from .shampoo import Shampoo, shampoo
 from .soap import SOAP, soap
 
-__all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo", "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo",
-           "adafactor", "adam", "adam_tensor", "classify_parameters", "compiled_step", "format_param_groups", "lion", "muon", "muon_param_groups",
-           "muon_scale", "sgd", "shampoo", "soap", "split_rows", "weight_decay_param_groups"]
+__all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo",
+           "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo", "adafactor", "adam", "adam_tensor",
+           "classify_parameters", "compiled_step", "format_param_groups", "lion", "muon",
+           "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows",
+           "weight_decay_param_groups"]

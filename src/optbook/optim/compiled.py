@@ -117,8 +117,8 @@ def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     """
     scalars = adam_scalars(steps, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     adam_elementwise(params, grads, exp_avgs, exp_avg_sqs, scalars, beta1=beta1, beta2=beta2,
-                     weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad,
-                     maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs)
+                     weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+                     amsgrad=amsgrad, maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs)
 
 
 class CompiledStep:
@@ -175,7 +175,8 @@ class CompiledStep:
                 scalars = scalars.to(params[0].device)
             self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars, beta1=beta1,
                         beta2=beta2, weight_decay=weight_decay, decoupled_weight_decay=opt._decoupled,
-                        amsgrad=amsgrad, maximize=group["maximize"], max_exp_avg_sqs=maxes if amsgrad else None)
+                        amsgrad=amsgrad, maximize=group["maximize"],
+                        max_exp_avg_sqs=maxes if amsgrad else None)
         return loss
 
 

@@ -142,8 +142,8 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
             by_shape[tuple(b.shape)].append((i, j))
     for shape, where in by_shape.items():
         batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
-        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype,
-                          gram=gram)
+        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
+                          dtype=ns_dtype, gram=gram)
         O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
         for k, (i, j) in enumerate(where):
             blocks[i][j] = O if len(where) == 1 else O[k]
@@ -202,8 +202,8 @@ class Muon(BookOptimizer):
                  ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype, head_split=head_split,
-                        gram=gram)
+                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                        head_split=head_split, gram=gram)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
