@@ -191,7 +191,8 @@ BAD_EDITS = {
     "Muon": [("head_split", 3, "head_split"), ("head_split", (2, 1), "head_split"), ("head_split", "x", "head_split"),
              ("ns_dtype", torch.int32, "ns_dtype"), ("ns_dtype", "bf16", "ns_dtype"), ("ns_steps", 0, "steps"),
              ("coefficients", "nope", "coefficients"), ("scale_mode", "big", "scale_mode"), ("eps", 0.0, "eps"),
-             ("momentum", -0.1, "momentum"), ("nesterov", 1, "nesterov")],
+             ("momentum", -0.1, "momentum"), ("nesterov", 1, "nesterov"), ("gram", "triangular", "gram"),
+             ("gram", None, "gram")],
 }
 EDITS = [(name, *edit) for name in FACTORIES for edit in COMMON_BAD + BAD_EDITS[name]]
 
@@ -259,7 +260,8 @@ def test_nesterov_without_momentum_is_refused_like_torch_sgd(name):
 
 # ---------------------------------------------------------------- state dicts
 
-NEWER_OPTIONS = ("foreach", "head_split", "amsgrad", "maximize")  # options added after the first release
+# options added after the first release
+NEWER_OPTIONS = ("foreach", "head_split", "amsgrad", "maximize", "gram")
 
 
 @pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
@@ -278,7 +280,8 @@ def test_a_state_dict_without_newer_options_loads_and_steps(name, foreach):
     opt2.load_state_dict(saved)
     for key in NEWER_OPTIONS:
         if key in opt2.defaults:  # filled with the constructor's default (the old behaviour)
-            assert opt2.param_groups[0][key] == {"foreach": None, "head_split": None}.get(key, False)
+            default = {"foreach": None, "head_split": None, "gram": "plain"}.get(key, False)
+            assert opt2.param_groups[0][key] == default
     assert "differentiable" not in opt2.param_groups[0]  # torch's own default is not pushed into the groups
     g = torch.Generator().manual_seed(1)
     for _ in range(2):  # replay the first run's two gradients, then three more

@@ -248,3 +248,47 @@ def test_importing_the_kernels_module_does_not_import_triton():
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_muon_passes_gram_to_newton_schulz_and_symmetric_steps_like_plain(interpret, monkeypatch):
+    # reference: Muon(gram="plain"), torch's bmm path; the same tolerance reasoning as the symmetric-vs-
+    # plain newton_schulz test above (both round each bf16 product once, in different orders), for 3 steps
+    # of lr 0.02
+    from optbook.optim import Muon
+    muon_module = sys.modules["optbook.optim.muon"]   # the module (optbook.optim.muon is the function)
+    seen = []
+    real = muon_module.newton_schulz
+    monkeypatch.setattr(muon_module, "newton_schulz", lambda *a, **k: seen.append(k["gram"]) or real(*a, **k))
+    W = [torch.randn(24, 16), torch.randn(24, 16), torch.randn(16, 40)]
+    plain = [w.clone().requires_grad_() for w in W]
+    symmetric = [w.clone().requires_grad_() for w in W]
+    opts = Muon(plain, lr=0.02), Muon(symmetric, lr=0.02, gram="symmetric")
+    assert opts[0].param_groups[0]["gram"] == "plain"   # the default is unchanged
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = [torch.randn(w.shape, generator=g) for w in W]
+        for opt, ps in zip(opts, (plain, symmetric)):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            opt.step()
+    assert seen == ["plain", "plain", "symmetric", "symmetric"] * 3   # two shapes per step, one batched
+    for a, b, w in zip(plain, symmetric, W):
+        assert float((a - w).detach().abs().max()) > 0.01   # both moved
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=0.02 * 2 ** -6 * 3)
+
+
+def test_muon_refuses_an_unknown_gram_or_symmetric_float64_before_any_write():
+    from optbook.optim import Muon
+    with pytest.raises(ValueError, match="Invalid gram"):
+        Muon([torch.randn(4, 6, requires_grad=True)], gram="triangular")
+    with pytest.raises(ValueError, match="Invalid gram: 'symmetric' needs ns_dtype"):
+        Muon([torch.randn(4, 6, requires_grad=True)], gram="symmetric", ns_dtype=torch.float64)
+    W = torch.randn(4, 6, requires_grad=True)
+    opt = Muon([W], ns_dtype=torch.float64)
+    W.grad = torch.randn(4, 6)
+    opt.step()
+    before, buf = W.detach().clone(), opt.state[W]["momentum_buffer"].clone()
+    opt.param_groups[0]["gram"] = "symmetric"   # an edit is checked at step(), before anything is written
+    with pytest.raises(ValueError, match="Invalid gram"):
+        opt.step()
+    assert torch.equal(W.detach(), before) and torch.equal(opt.state[W]["momentum_buffer"], buf)

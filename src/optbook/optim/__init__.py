@@ -2,7 +2,8 @@
 
 ``SGD`` (chapter 1), ``Adam`` (chapter 2), ``AdamW`` and ``weight_decay_param_groups`` (chapter 3),
 ``Adafactor``, ``Lion``, ``Shampoo``, ``SOAP`` (chapter 4),
-``Muon`` (chapter 6), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7).
+``Muon`` (chapter 6), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step``
+(a ``torch.compile``-d Adam/AdamW step, chapter 15).
 Each class has a pure functional twin that holds the math (``sgd``, ``adam``, ``lion``, ``adafactor``,
 ``shampoo``, ``soap``, ``muon``), as ``torch.optim`` does; the class gathers state and calls it.
 """
@@ -10,6 +11,7 @@ Each class has a pure functional twin that holds the math (``sgd``, ``adam``, ``
 from .adafactor import Adafactor, adafactor
 from .adam import Adam, AdamW, adam
 from .chained import ChainedOptimizer
+from .compiled import adam_tensor, compiled_step
 from .lion import Lion, lion
 from .muon import Muon, muon, muon_scale, split_rows
 from .optimizer import BookOptimizer
@@ -19,6 +21,8 @@ from .sgd import SGD, sgd
 from .shampoo import Shampoo, shampoo
 from .soap import SOAP, soap
 
-__all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo", "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo",
-           "adafactor", "adam", "classify_parameters", "format_param_groups", "lion", "muon", "muon_param_groups",
-           "muon_scale", "sgd", "shampoo", "soap", "split_rows", "weight_decay_param_groups"]
+__all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo",
+           "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo", "adafactor", "adam", "adam_tensor",
+           "classify_parameters", "compiled_step", "format_param_groups", "lion", "muon",
+           "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows",
+           "weight_decay_param_groups"]

@@ -37,6 +37,8 @@ __all__ = ["Muon", "SCALE_MODES", "muon", "muon_scale", "split_rows"]
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 #: The dtypes Newton–Schulz may iterate in.
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: How Newton–Schulz forms its symmetric products (``newton_schulz``'s ``gram``).
+GRAMS = ("plain", "symmetric")
 
 
 def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
@@ -114,14 +116,14 @@ def exact_rescale(D: torch.Tensor) -> torch.Tensor:
 def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
-         ns_dtype: torch.dtype = torch.bfloat16, head_split=None) -> None:
+         ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain") -> None:
     """Apply one Muon step in place (the pure function behind :class:`Muon`).
 
     Args:
         params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
             parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
-            eps, ns_dtype, head_split: as in :class:`Muon`; not re-validated here.
+            eps, ns_dtype, head_split, gram: as in :class:`Muon`; not re-validated here.
 
     Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call; a block
     whose shape no other block shares is passed as it is (no stack), and every orthogonalised block is
@@ -140,7 +142,8 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
             by_shape[tuple(b.shape)].append((i, j))
     for shape, where in by_shape.items():
         batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
-        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
+                          dtype=ns_dtype, gram=gram)
         O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
         for k, (i, j) in enumerate(where):
             blocks[i][j] = O if len(where) == 1 else O[k]
@@ -170,6 +173,11 @@ class Muon(BookOptimizer):
         ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
         head_split: per-group row split before orthogonalisation (:func:`split_rows`);
             ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
+        gram: how Newton–Schulz forms its symmetric products, passed to :func:`optbook.newton_schulz`:
+            ``"plain"`` (default, torch's ``bmm``) or ``"symmetric"`` (the Triton kernels of
+            :mod:`optbook.kernels`, which compute only the tiles on and below the diagonal; on a CPU
+            they run under ``TRITON_INTERPRET=1`` and otherwise fall back to torch's products;
+            chapter 15). ``"symmetric"`` needs ``ns_dtype`` float16, bfloat16 or float32.
 
     Blocks of equal shape across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
@@ -178,7 +186,8 @@ class Muon(BookOptimizer):
         ValueError: a parameter that is not 2-D (the message names its shape and points to
             ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
             rows (also when a group's ``head_split`` is edited later: checked at every step), or a
-            non-finite gradient (raised before anything changes: skip such a step, chapter 11).
+            non-finite gradient (raised before anything changes: skip such a step, chapter 11); an
+            unknown ``gram``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
@@ -190,10 +199,11 @@ class Muon(BookOptimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
-                 ns_dtype: torch.dtype = torch.bfloat16, head_split=None):
+                 ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype, head_split=head_split)
+                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                        head_split=head_split, gram=gram)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -219,6 +229,11 @@ class Muon(BookOptimizer):
         if group["ns_dtype"] not in NS_DTYPES:
             raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
                             f"supports), got {group['ns_dtype']!r}")
+        if group["gram"] not in GRAMS:
+            raise ValueError(f"Invalid gram: expected one of {GRAMS}, got {group['gram']!r}")
+        if group["gram"] == "symmetric" and group["ns_dtype"] == torch.float64:
+            raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
+                             "torch.float64 (the Triton kernels have no float64 path)")
         for p in group["params"]:  # head_split may have been edited since the group was added
             if isinstance(p, torch.Tensor) and p.ndim == 2:
                 split_rows(p.shape[0], group["head_split"])
@@ -232,4 +247,4 @@ class Muon(BookOptimizer):
              lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
-             ns_dtype=group["ns_dtype"], head_split=group["head_split"])
+             ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"])

@@ -1,0 +1,216 @@
+"""A compiled Adam/AdamW step: the update captured once by ``torch.compile``. Explained in chapter 15.
+
+Why a separate path. :func:`optbook.optim.adam` takes the step count ``t`` as a Python ``int`` and
+``lr`` as a Python ``float`` and folds them into Python scalars (``lr * c2 / c1``). Under
+``torch.compile`` every Python number is a constant of the captured graph, guarded by value: a graph
+compiled at ``t = 1`` fails its guard at ``t = 2`` and is compiled again, every step (and again for
+every new learning rate of a schedule), until Dynamo's recompile limit makes it give up and run eagerly.
+The cure, as in ``torch.optim``'s ``capturable=True``, is to pass the numbers that change from step to
+step as tensors: here a float64 tensor of step counts (one per parameter) and a 0-d float64 ``lr``.
+Their *values* are data, not constants, so one graph serves every step.
+
+:func:`adam_tensor` is the same update as :func:`optbook.optim.adam` (AdamW's decoupled decay, or
+Adam's L2; AMSGrad; maximize; float16/bfloat16 parameters computed in float32 and rounded back once),
+written with ``t`` and ``lr`` as tensors and no Python branch on their values. :func:`compiled_step`
+wraps an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW` so that its ``step()`` does the
+optimizer's usual validation and state bookkeeping in Python (``state["step"]`` stays an ``int``, so
+state dicts are the eager optimizer's) and runs the arithmetic through one compiled :func:`adam_tensor`
+per parameter group. Inductor fuses each parameter's seven element-wise lines into one loop over
+memory, which is what ``torch.optim.AdamW(fused=True)`` does by hand in C++/CUDA.
+
+What still recompiles (guards): a change of the group's ``betas``, ``eps``, ``weight_decay``,
+``amsgrad`` or ``maximize`` (Python constants of the graph), of the set of parameters that have a
+gradient, or of their shapes and dtypes. ``lr`` (float or one-element tensor, as a scheduler sets it)
+and the step count do not.
+
+Cost: the first call compiles (tens of seconds on a small CPU for a hundred tensors); measured speed in
+``benchmarks/bench_compiled_step.py`` and the README.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._functional import LOW_PRECISION
+from .adam import _AdamBase
+
+__all__ = ["CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_step"]
+
+
+def adam_scalars(steps: torch.Tensor, lr: torch.Tensor, *, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> torch.Tensor:
+    """The per-parameter numbers of one Adam step, from the step counts and ``lr`` as tensors.
+
+    Args:
+        steps: float64 tensor ``(n,)``, the step number ``t >= 1`` of each parameter after counting this
+            step (float64 holds every integer below 2**53 exactly).
+        lr: 0-d (or one-element) float64 tensor.
+        beta1, beta2, eps, weight_decay: Python floats.
+
+    Returns:
+        float64 tensor ``(3, n)``: rows ``-lr * c2 / c1`` (the step size), ``eps * c2`` and
+        ``1 - lr * weight_decay`` (AdamW's decay factor), with ``c1 = 1 - beta1**t``,
+        ``c2 = sqrt(1 - beta2**t)``.
+    """
+    lr = lr.reshape(())
+    c1 = 1 - torch.pow(beta1, steps)
+    c2 = torch.sqrt(1 - torch.pow(beta2, steps))
+    return torch.stack([-lr * c2 / c1, eps * c2, (1 - lr * weight_decay).expand_as(c2)])
+
+
+def adam_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                     exp_avg_sqs: list[torch.Tensor], scalars: torch.Tensor, *, beta1: float, beta2: float,
+                     weight_decay: float, decoupled_weight_decay: bool, amsgrad: bool = False,
+                     maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
+    """The element-wise lines of one Adam/AdamW step, in place; ``scalars`` from :func:`adam_scalars`.
+
+    Only element-wise work: what :class:`CompiledStep` compiles, into one fused loop per parameter.
+    (Left inside the graph, ``beta1**t`` and its square root would be recomputed by Inductor's CPU code
+    for every vector of 8 floats, in float64: slower than the eager step.)
+    """
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        low = p.dtype in LOW_PRECISION      # the same step in float32, rounded back once
+        w = p.float() if low else p
+        g = g.float() if low else g
+        m_w = m.float() if low else m
+        v_w = v.float() if low else v
+        step_size, eps_hat, decay = (scalars[k, i].to(w.dtype) for k in range(3))
+        if maximize:
+            g = -g
+        if weight_decay and decoupled_weight_decay:
+            w = w * decay
+        elif weight_decay:
+            g = g + weight_decay * w
+        m_new = torch.lerp(m_w, g, 1 - beta1)
+        v_new = v_w * beta2 + (1 - beta2) * g * g
+        denominator = v_new
+        if amsgrad:
+            vmax = torch.maximum(max_exp_avg_sqs[i].float() if low else max_exp_avg_sqs[i], v_new)
+            max_exp_avg_sqs[i].copy_(vmax)
+            denominator = vmax
+        w = w + step_size * m_new / (torch.sqrt(denominator) + eps_hat)
+        p.copy_(w)
+        m.copy_(m_new)
+        v.copy_(v_new)
+
+
+def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], steps: torch.Tensor, lr: torch.Tensor, *, beta1: float,
+                beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                amsgrad: bool = False, maximize: bool = False,
+                max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
+    """One Adam/AdamW step in place with the step counts and ``lr`` as tensors (capturable).
+
+    The lines of :func:`optbook.optim.adam` (module docstring of :mod:`optbook.optim.adam`):
+    :func:`adam_scalars` then :func:`adam_elementwise`. Call it under ``torch.no_grad()`` (it writes into
+    parameters); ``torch.compile(adam_tensor)`` captures it once for every step count and ``lr``.
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: as in :func:`optbook.optim.adam`.
+        steps: float64 tensor of shape ``(len(params),)``: each parameter's step number ``t >= 1``.
+        lr: 0-d (or one-element) float64 tensor, the learning rate.
+        beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize: as in
+            :func:`optbook.optim.adam` (Python numbers: constants of a compiled graph).
+
+    The result equals :func:`optbook.optim.adam`'s to float rounding, not bitwise: a compiler may
+    reassociate, and ``beta**t`` is ``torch.pow`` here, Python's ``**`` there.
+    """
+    scalars = adam_scalars(steps, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    adam_elementwise(params, grads, exp_avgs, exp_avg_sqs, scalars, beta1=beta1, beta2=beta2,
+                     weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+                     amsgrad=amsgrad, maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs)
+
+
+class CompiledStep:
+    """``step(closure=None)`` of an Adam/AdamW whose arithmetic runs in one compiled graph per group.
+
+    Made by :func:`compiled_step`; see the module docstring. Attributes: ``optimizer`` (the wrapped
+    optimizer, whose ``state`` and ``param_groups`` are read and written as in its own ``step``) and
+    ``kernel`` (the ``torch.compile``-d :func:`adam_elementwise`; :func:`adam_scalars` runs eagerly
+    before it, a few float64 numbers per parameter).
+    """
+
+    def __init__(self, optimizer: _AdamBase, **compile_options):
+        self.optimizer = optimizer
+        self.kernel = torch.compile(adam_elementwise, fullgraph=True, **compile_options)
+
+    @torch.no_grad()
+    def __call__(self, closure=None):
+        opt = self.optimizer
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        opt._validate()   # every group and gradient checked before anything is written, as opt.step()
+        for group in opt.param_groups:
+            group = opt._read_floats(group)
+            params, exp_avgs, exp_avg_sqs, steps, maxes = [], [], [], [], []
+            amsgrad = group["amsgrad"]
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                state = opt.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if amsgrad and "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                params.append(p)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+                if amsgrad:
+                    maxes.append(state["max_exp_avg_sq"])
+            if not params:
+                continue
+            beta1, beta2 = (float(b) for b in group["betas"])
+            weight_decay = float(group["weight_decay"])
+            # a few float64 numbers per parameter, eagerly: the compiled graph sees them as data
+            scalars = adam_scalars(torch.tensor(steps, dtype=torch.float64),
+                                   torch.tensor(float(group["lr"]), dtype=torch.float64), beta1=beta1,
+                                   beta2=beta2, eps=float(group["eps"]), weight_decay=weight_decay)
+            if params[0].device != scalars.device:
+                scalars = scalars.to(params[0].device)
+            self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars, beta1=beta1,
+                        beta2=beta2, weight_decay=weight_decay, decoupled_weight_decay=opt._decoupled,
+                        amsgrad=amsgrad, maximize=group["maximize"],
+                        max_exp_avg_sqs=maxes if amsgrad else None)
+        return loss
+
+
+def compiled_step(optimizer: _AdamBase, **compile_options) -> CompiledStep:
+    """A ``step`` for ``optimizer`` (an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW`)
+    whose arithmetic is compiled once by ``torch.compile`` and not again when ``lr`` or the step count
+    change.
+
+    Use it in place of ``optimizer.step``::
+
+        opt = optbook.optim.AdamW(model.parameters(), lr=3e-4)
+        step = optbook.optim.compiled_step(opt)
+        for batch in data:
+            loss(model, batch).backward()
+            step()                  # first call compiles; later calls reuse the graph
+            opt.zero_grad()
+
+    The optimizer object is unchanged: its ``state_dict``, ``param_groups`` (edit ``lr`` there, or let
+    a ``torch.optim.lr_scheduler`` do it), and its eager ``optimizer.step()`` all still work and share
+    the state (the step count stays a Python ``int``). The validation is the optimizer's own: a bad
+    hyperparameter or gradient raises before anything is written.
+
+    Args:
+        optimizer: an ``optbook.optim.Adam`` or ``AdamW`` (its ``foreach`` option is ignored: the
+            compiler fuses the loop).
+        compile_options: passed to ``torch.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``).
+
+    Returns:
+        A :class:`CompiledStep`, callable as ``step(closure=None)``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optbook Adam or AdamW.
+    """
+    if not isinstance(optimizer, _AdamBase):
+        raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, "
+                        f"got {type(optimizer).__name__}")
+    return CompiledStep(optimizer, **compile_options)

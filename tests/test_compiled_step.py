@@ -1,0 +1,100 @@
+"""optbook.optim.compiled_step: a torch.compile-d Adam/AdamW step that compiles once.
+
+Reference: the eager ``optbook.optim.AdamW`` (itself tested against ``torch.optim.AdamW``). The tests
+marked ``compile`` run Inductor (one compilation, about 10-40 s on 2 CPU cores); the others check the
+capturable functional core eagerly, in float64, against :func:`optbook.optim.adam`.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from optbook.optim import SGD, Adam, AdamW, adam, adam_tensor, compiled_step
+
+
+@pytest.mark.parametrize("decoupled, amsgrad, maximize", [(True, False, False), (False, True, True),
+                                                          (True, True, False)])
+def test_tensor_step_count_and_lr_give_the_eager_functional_step(decoupled, amsgrad, maximize):
+    # float64: the two differ only by the order of a few scalar operations (Python ** vs torch.pow,
+    # lr * c2 / c1 formed once vs the same in one expression): a few ulps of 1 after 3 steps
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,)]
+    ref = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    new = [p.clone() for p in ref]
+    state = {k: [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(3)]
+             for k in ("ref", "new")}
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=decoupled,
+                 amsgrad=amsgrad, maximize=maximize)
+    for t, lr in zip((1, 2, 3), (1e-2, 5e-3, 2e-3)):
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+        m, v, vmax = state["ref"]
+        adam(ref, grads, m, v, [t, t], lr=lr, max_exp_avg_sqs=vmax, **hyper)
+        m, v, vmax = state["new"]
+        adam_tensor(new, grads, m, v, torch.tensor([t, t], dtype=torch.float64),
+                    torch.tensor(lr, dtype=torch.float64), max_exp_avg_sqs=vmax, **hyper)
+    for a, b in zip(ref, new):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-15)
+    for ka, kb in zip(state["ref"], state["new"]):
+        for a, b in zip(ka, kb):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-15)
+
+
+def test_compiled_step_refuses_an_optimizer_it_does_not_know():
+    with pytest.raises(TypeError, match="Invalid optimizer: compiled_step supports"):
+        compiled_step(SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+    with pytest.raises(TypeError, match="Invalid optimizer"):
+        compiled_step(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]))
+
+
+def test_a_bad_hyperparameter_raises_before_anything_is_written_or_compiled():
+    p = torch.randn(4, 3, requires_grad=True)
+    opt = Adam([p], lr=1e-2)
+    step = compiled_step(opt)
+    p.grad = torch.randn(4, 3)
+    opt.step()   # eager: state exists
+    before, state = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["lr"] = -1.0
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="lr"):
+        step()
+    assert torch.equal(p.detach(), before)
+    assert opt.state[p]["step"] == state["state"][0]["step"] == 1
+    assert torch.equal(opt.state[p]["exp_avg"], state["state"][0]["exp_avg"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.compile
+def test_compiled_adamw_compiles_once_and_equals_eager_for_three_steps_with_a_new_lr_each():
+    # 3 steps, lr changed before each (as a scheduler does) and the step count growing: the graph of the
+    # first step must serve the other two (Dynamo's error_on_recompile raises otherwise). Tolerance: float32
+    # rounding of a 3-step trajectory, a few ulps of the O(1) parameters (measured 3e-8); a wrong
+    # bias correction or lr would be off by ~1e-3. The bf16 parameter is computed in float32 and rounded
+    # once on both paths: at most one bf16 ulp apart.
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (8,), (3, 4, 5)]
+    base = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(6, generator=g).bfloat16()]
+    eager = [b.clone().requires_grad_() for b in base]
+    compiled = [b.clone().requires_grad_() for b in base]
+    opt_eager = AdamW(eager, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = AdamW(compiled, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    step = compiled_step(opt)
+    for k, lr in enumerate((1e-2, 5e-3, 2e-3)):
+        grads = [torch.randn(b.shape, generator=g).to(b.dtype) for b in base]
+        for ps, o in ((eager, opt_eager), (compiled, opt)):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            o.param_groups[0]["lr"] = lr
+        opt_eager.step()
+        with torch._dynamo.config.patch(error_on_recompile=k > 0):
+            step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for a, b, b0 in zip(eager, compiled, base):
+        assert float((a.float() - b0.float()).detach().abs().max()) > 1e-3    # it moved
+        tol = 2 ** -7 if a.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=tol)
+    # the state is the eager optimizer's: int step counts, and eager steps continue from it
+    assert [opt.state[p]["step"] for p in compiled] == [3] * 4
+    sd = opt.state_dict()
+    assert all(isinstance(s["step"], int) for s in sd["state"].values())
