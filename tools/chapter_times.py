@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Measure how long each chapter takes to execute, record it, and state it in the chapter's header.
+
+``book/runtimes.json`` holds the last measurement of every chapter: wall-clock seconds for a top-to-bottom
+execution in a fresh kernel (one notebook at a time, nothing else running), with the machine it was
+measured on. Each chapter's first Markdown cell carries one line derived from it::
+
+    *Run time: about 40 s on a 2-core CPU without a GPU (measured 2026-12-02, PyTorch 2.13.0).*
+
+``tests/test_chapter_times.py`` checks that every header agrees with the record and that every chapter has
+been measured. Re-measure after a chapter changes (minutes for the whole book on 2 cores)::
+
+    python tools/chapter_times.py --measure [book/05_newton_schulz.ipynb ...]   # update runtimes.json
+    python tools/chapter_times.py --write                                       # headers from runtimes.json
+
+Headers are edited as Markdown text: outputs stay as they are, so no re-execution is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "book" / "runtimes.json"
+HEADER_RE = re.compile(r"(?m)^\*Run time: [^\n]*\*\n\n?")
+
+
+def chapters() -> list[Path]:
+    return [p for p in sorted((ROOT / "book").glob("*.ipynb")) if not p.name.startswith("00_")]
+
+
+def rounded(seconds: float) -> str:
+    """``about 40 s`` / ``about 2 min 10 s``: 5-second steps under two minutes, 10-second steps above."""
+    step = 5 if seconds < 120 else 10
+    s = max(step, int(round(seconds / step)) * step)
+    return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s % 60 else f"{s // 60} min"
+
+
+def header(entry: dict) -> str:
+    where = f"a {entry['cores']}-core CPU without a GPU" if not entry.get("gpu") else f"{entry['gpu']}"
+    return (f"*Run time: about {rounded(entry['seconds'])} on {where} "
+            f"(measured {entry['date']}, PyTorch {entry['torch']}).*\n\n")
+
+
+def measure(paths: list[Path]) -> dict:
+    import nbformat
+    import torch
+    from nbclient import NotebookClient
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as `make` sets it (the kernel inherits it)
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+        start = time.perf_counter()
+        client.execute()
+        seconds = time.perf_counter() - start
+        record[path.stem] = {"seconds": round(seconds, 1), "cores": os.cpu_count(), "gpu": gpu,
+                             "cpu": platform.processor() or platform.machine(),
+                             "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat()}
+        print(f"{path.name}: {seconds:.1f} s", flush=True)
+        RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def expected_first_cell(source: str, entry: dict) -> str:
+    """The first Markdown cell with its run-time line (after the title line) set from ``entry``."""
+    body = HEADER_RE.sub("", source)
+    title, _, rest = body.partition("\n\n")
+    return f"{title}\n\n{header(entry)}{rest}"
+
+
+def write_headers() -> None:
+    record = json.loads(RECORD.read_text())
+    for path in chapters():
+        if path.stem not in record:
+            print(f"{path.name}: not measured yet (run --measure)")
+            continue
+        text = path.read_text(encoding="utf-8")
+        nb = json.loads(text)
+        cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+        old = "".join(cell["source"])
+        new = expected_first_cell(old, record[path.stem])
+        if new != old:
+            cell["source"] = new.splitlines(keepends=True)
+            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            print(f"{path.name}: header set to {header(record[path.stem]).strip()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measure", action="store_true", help="execute the chapters and record their run time")
+    parser.add_argument("--write", action="store_true", help="write every chapter's header from the record")
+    parser.add_argument("notebooks", nargs="*", type=Path, help="chapters to measure (default: all)")
+    args = parser.parse_args(argv)
+    if not (args.measure or args.write):
+        parser.error("give --measure, --write or both")
+    if args.measure:
+        measure([p.resolve() for p in args.notebooks] or chapters())
+    if args.write:
+        write_headers()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
