@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .optim import AdamW
-from .optim._validation import check_grad, check_number
+from .optim._validation import check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 
 __all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OffloadOptimizer", "STATE_TENSORS", "ledger",
@@ -62,14 +62,6 @@ def _check_dtype(name: str, value, allowed=_FLOATS, none_ok: bool = False):
         names = ", ".join(str(d) for d in allowed)
         prefix = "None or " if none_ok else ""
         raise TypeError(f"Invalid {name}: expected {prefix}one of {names}, got {value!r}")
-    return value
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
     return value
 
 

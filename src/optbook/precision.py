@@ -40,21 +40,13 @@ from collections import OrderedDict
 
 import torch
 
-from .optim._validation import check_bool, check_grad, check_number
+from .optim._validation import check_bool, check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer"]
 
 #: Model parameter dtypes that get a float32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
-    return value
 
 
 def _check_scale(name: str, value) -> float:

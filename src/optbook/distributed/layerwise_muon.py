@@ -166,6 +166,24 @@ def _check_same_params(params, group, world_size, who: str) -> None:
                              f"{mine[:4]}...")
 
 
+def _validate_on_every_rank(opt, name: str) -> list[bool]:
+    """Validate ``opt``'s groups and gradients on this rank (non-finite values are judged later, after the
+    mean), agree on the outcome with every rank (all raise if one does, before anything is written), and
+    return which parameters have a gradient on any rank. Counts its control bytes in ``opt.comm_bytes``."""
+    try:
+        saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False  # judged after the mean
+        try:
+            opt._validate()
+        finally:
+            opt.refuse_nonfinite_grads = saved
+        error = None
+    except (TypeError, ValueError, RuntimeError) as e:
+        error = e
+    has_grad = [p.grad is not None for p in opt._params]
+    opt.comm_bytes["control"] += 8 * (1 + len(has_grad))
+    return _sync_status(error, opt.rank, has_grad, opt.process_group, opt.device, name)
+
+
 def _sync_status(error, rank, has_grad, group, device, who) -> list:
     """One all-reduce (MAX) of ``[failing rank + 1, has_grad...]``; raise on every rank if some rank failed."""
     status = torch.tensor([rank + 1 if error is not None else 0, *has_grad], dtype=torch.float64, device=device)
@@ -338,18 +356,7 @@ class LayerWiseMuon(Muon):
         all finite)``, the same on every rank. Writes nothing but internal buffers."""
         self._consolidated = None
         self._mean_grads = None
-        try:
-            saved, self.refuse_nonfinite_grads = self.refuse_nonfinite_grads, False  # judged after the mean
-            try:
-                self._validate()
-            finally:
-                self.refuse_nonfinite_grads = saved
-            error = None
-        except (TypeError, ValueError, RuntimeError) as e:
-            error = e
-        has_grad = [p.grad is not None for p in self._params]
-        self.comm_bytes["control"] += 8 * (1 + len(has_grad))
-        has_grad = _sync_status(error, self.rank, has_grad, self.process_group, self.device, "LayerWiseMuon")
+        has_grad = _validate_on_every_rank(self, "LayerWiseMuon")
         mean: list = [None] * len(self._params)
         by_dtype: dict = {}
         for i, p in enumerate(self._params):
@@ -629,18 +636,7 @@ class DistributedMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        try:
-            saved, self.refuse_nonfinite_grads = self.refuse_nonfinite_grads, False
-            try:
-                self._validate()
-            finally:
-                self.refuse_nonfinite_grads = saved
-            error = None
-        except (TypeError, ValueError, RuntimeError) as e:
-            error = e
-        has_grad = [p.grad is not None for p in self._params]
-        self.comm_bytes["control"] += 8 * (1 + len(has_grad))
-        has_grad = _sync_status(error, self.rank, has_grad, self.process_group, self.device, "DistributedMuon")
+        has_grad = _validate_on_every_rank(self, "DistributedMuon")
         # 1. reduce-scatter the flat gradients, mean
         for buf in self.grad_buffers.values():
             buf.zero_()

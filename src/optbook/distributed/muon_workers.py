@@ -10,6 +10,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .workers import _set_grads, _spread_over_ranks
+
 __all__ = [
     "MUON_OPTIONS",
     "MUON_SUITE_GROUPS",
@@ -73,21 +75,7 @@ def muon_grads(params, step: int, rank: int, world_size: int, seed: int = 0) -> 
     and ``None`` elsewhere; ``params[4]`` never has one."""
     mean = muon_mean_grads(params, step, seed)
     gen = _gen(100003 * seed + 1009 * step + 11)
-    out = []
-    for i, (p, g) in enumerate(zip(params, mean)):
-        d = (torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype)
-        if g is None:
-            out.append(None)
-        elif i == 1:
-            out.append(world_size * g if rank == 0 else None)
-        else:
-            out.append(g + (rank - (world_size - 1) / 2) * d)
-    return out
-
-
-def _set_grads(params, grads) -> None:
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
+    return _spread_over_ranks(params, mean, gen, rank, world_size)
 
 
 def muon_reference(steps: int = 4, seed: int = 0) -> list[torch.Tensor]:

@@ -137,6 +137,12 @@ def zero1_grads(params: list[torch.Tensor], step: int, rank: int, world_size: in
     if same_on_every_rank:
         return mean
     gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + 7)
+    return _spread_over_ranks(params, mean, gen, rank, world_size)
+
+
+def _spread_over_ranks(params, mean, gen, rank: int, world_size: int) -> list[torch.Tensor | None]:
+    """Rank ``rank``'s share of the gradients ``mean``: ``g + (rank - (d - 1) / 2) D`` with a dyadic ``D``
+    drawn from ``gen`` (so the mean over ranks is exactly ``g``); ``params[1]`` gets ``d g`` on rank 0 only."""
     out = []
     for i, (p, g) in enumerate(zip(params, mean)):
         d = (torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype)

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ..clipping import clip_grad_norm_
 from ..optim import AdamW
-from ..optim._validation import check_grad, check_number
+from ..optim._validation import check_grad, check_int as _check_int, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
 
 __all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
@@ -163,14 +163,6 @@ def _is_power_of_two(x) -> bool:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
-    return value
 
 
 def shard_layout(params, world_size: int, *, bucket_size: int | None = None, param_alignment: int = 64,

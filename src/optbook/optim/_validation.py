@@ -43,6 +43,15 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
     return x
 
 
+def check_int(name: str, value, low: int) -> int:
+    """``value`` as an int ``>= low``; ``TypeError`` for a non-int (``bool`` included), ``ValueError`` below."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
+    return value
+
+
 def check_lr(lr) -> float:
     """``lr`` must be a finite number >= 0: a Python number or a one-element real tensor (any shape).
 

@@ -134,11 +134,15 @@ class _AdamBase(BookOptimizer):
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
 
-    def _step_group(self, group: dict) -> None:
+    def _prepare_group(self, group: dict, skip_empty: bool = False) -> tuple[list, list, list, list, list]:
+        """Create missing state and advance the step count of every parameter of ``group`` with a gradient
+        (and, with ``skip_empty``, at least one element). Returns ``(params, exp_avgs, exp_avg_sqs, steps,
+        max_exp_avg_sqs)``, the last empty unless ``amsgrad``. Shared by :meth:`step` and
+        :func:`optbook.optim.compiled_step`."""
         params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs = [], [], [], [], []
         amsgrad = group["amsgrad"]
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or (skip_empty and p.numel() == 0):
                 continue
             state = self.state[p]
             if not state:
@@ -154,6 +158,11 @@ class _AdamBase(BookOptimizer):
             steps.append(state["step"])
             if amsgrad:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+        return params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs
+
+    def _step_group(self, group: dict) -> None:
+        params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs = self._prepare_group(group)
+        amsgrad = group["amsgrad"]
         foreach = use_foreach(group["foreach"], params)
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],

@@ -144,25 +144,8 @@ class CompiledStep:
         opt._validate()   # every group and gradient checked before anything is written, as opt.step()
         for group in opt.param_groups:
             group = opt._read_floats(group)
-            params, exp_avgs, exp_avg_sqs, steps, maxes = [], [], [], [], []
+            params, exp_avgs, exp_avg_sqs, steps, maxes = opt._prepare_group(group, skip_empty=True)
             amsgrad = group["amsgrad"]
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                state = opt.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if amsgrad and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                params.append(p)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-                if amsgrad:
-                    maxes.append(state["max_exp_avg_sq"])
             if not params:
                 continue
             beta1, beta2 = (float(b) for b in group["betas"])
