@@ -38,3 +38,14 @@ def clone_params(params):
 
 def deepcopy_state(opt):
     return copy.deepcopy(opt.state_dict())
+
+
+def toc_files(toc: dict) -> list[str]:
+    """Every page of a Jupyter Book ``_toc.yml`` (already parsed), root first, sections after their chapter."""
+
+    def walk(entries):
+        for entry in entries:
+            yield entry["file"]
+            yield from walk(entry.get("sections", []))
+
+    return [toc["root"]] + [f for part in toc.get("parts", []) for f in walk(part["chapters"])]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import toc_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,7 @@ def _config():
 
 def _toc_notebooks():
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
-    return [ROOT / f"{f}.ipynb" for f in files if (ROOT / f"{f}.ipynb").exists()]
+    return [ROOT / f"{f}.ipynb" for f in toc_files(toc) if (ROOT / f"{f}.ipynb").exists()]
 
 
 def _first_code_cell(path):

@@ -32,6 +32,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import pytest
 import yaml
+from helpers import toc_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("OPTBOOK_SITE", ROOT / "_build" / "html"))
@@ -61,7 +62,7 @@ def _config():
 
 def _toc_pages() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [toc["root"]] + [c["file"] for part in toc.get("parts", []) for c in part["chapters"]]
+    return toc_files(toc)
 
 
 PAGES = _toc_pages()
