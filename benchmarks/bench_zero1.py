@@ -7,8 +7,10 @@ Timed per contender: the whole gradient sync + optimizer step + parameter sync, 
 * ours: ``DistributedOptimizer.step()`` -- reduce-scatter (mean; the gradients are views of the flat
   buffer, ``use_grad_buffer()``, so nothing is copied), check for inf/NaN, AdamW on this rank's shard,
   all-gather the parameters (with ``optbook.optim.AdamW`` inside, and with ``torch.optim.AdamW`` inside).
-  On gloo the reduce-scatter is one ``reduce`` to each shard's owner and the all-gather one ``broadcast``
-  from each (gloo's ``reduce_scatter``/``all_gather_into_tensor`` are several times slower);
+  On gloo the reduce-scatter is an ``all_reduce`` of the bucket (each rank keeps its shard) and the
+  all-gather one ``broadcast`` from each shard's owner: gloo's ``reduce_scatter`` and
+  ``all_gather_into_tensor`` are several times slower, and a ``reduce`` to each owner was slower than
+  its pipelined all-reduce;
 * ``ZeroRedundancyOptimizer(torch.optim.AdamW)``: an all-reduce of the gradients (one flat buffer whose
   views are the ``.grad`` tensors, as DDP's ``gradient_as_bucket_view``: no copies, the most favourable
   case for it) and ``step()`` (AdamW on the parameters this rank owns, then a broadcast from each owner), in

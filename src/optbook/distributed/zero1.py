@@ -19,8 +19,8 @@ parameter inside it is a :class:`Piece`.
 One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
 
     flat_grad[param] = p.grad                      every rank, its own micro-batch's gradient
-    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r (gloo: a
-                                                    reduce of shard q to rank q, for each q) ...
+    reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r (gloo: an
+                                                    all-reduce of the bucket, of which rank r reads shard r) ...
     flat_grad[shard r] /= world_size                 ... and takes the mean
     flat_grad[shard r] /= S; found_inf             (with a loss scaler S)
     all_reduce([found_inf, has_grad...], MAX)       every rank skips together, one scale update
@@ -350,8 +350,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.device = next(iter(devices))
         self._global_ranks = [q if group is dist.group.WORLD else dist.get_global_rank(group, q)
                               for q in range(world_size)]
-        # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its reduce and
-        # broadcast on the same bytes (measured: benchmarks/bench_zero1.py); NCCL's are the fast path.
+        # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its (pipelined)
+        # all_reduce and its broadcast on the same bytes, and one reduce per shard is slower than the
+        # all_reduce (measured: benchmarks/bench_zero1.py); NCCL's reduce-scatter/all-gather are the fast path.
         self._per_shard_collectives = dist.get_backend(group) == "gloo" and world_size > 1
 
         with torch.no_grad():
@@ -590,11 +591,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
                 shard = self._shard(self.grad_buffers, b)
-                if self._per_shard_collectives:  # gloo: one reduce to each shard's owner
-                    flat = self.grad_buffers[bucket.dtype]
-                    for q, dst in enumerate(self._global_ranks):
-                        lo, hi = bucket.shard(q)
-                        dist.reduce(flat[lo:hi], dst=dst, group=self.process_group)
+                if self._per_shard_collectives:  # gloo: an all-reduce of the bucket; each rank reads its shard
+                    dist.all_reduce(self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                    group=self.process_group)
                 else:
                     _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                     group=self.process_group)
