@@ -175,18 +175,23 @@ def test_chain_clips_muon_and_adamw_by_one_global_norm_of_the_raw_mean_gradients
         assert "max_grad_norm" in ch["errors"]["max_grad_norm"][1]
 
 
+@pytest.mark.parametrize("kind", ["resumed", "resumed_moonlight"])
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_a_checkpoint_from_another_world_size_continues_bit_for_bit(runs, world_size):
+def test_a_checkpoint_from_another_world_size_continues_bit_for_bit(runs, world_size, kind):
     ref6 = muon_reference(6)
     for rep in runs[world_size]:
-        assert _bitwise(rep["resumed"], ref6)
+        assert _bitwise(rep[kind], ref6)
 
 
-def test_the_consolidated_checkpoint_loads_into_single_process_muon(runs):
+@pytest.mark.parametrize("kind", ["layerwise", "moonlight"])
+def test_the_consolidated_checkpoint_loads_into_single_process_muon(runs, kind):
     from optbook.distributed.muon_workers import MUON_OPTIONS, _set_grads
     from optbook.optim import Muon
 
-    checkpoint = runs[2][-1]["layerwise"]["checkpoint"]
+    checkpoint = runs[2][-1][kind]["checkpoint"]
+    assert all(r[kind]["checkpoint"] is None for r in runs[2][:-1])  # only the consolidating rank has it
+    assert sorted(checkpoint["state"]) == [i for i, g in enumerate(muon_mean_grads(muon_reference(4), 0))
+                                           if g is not None]
     params = [p.clone().requires_grad_() for p in muon_reference(4)]
     groups = [{**g, "params": params[:5] if i == 0 else params[5:]} for i, g in enumerate(muon_problem()[1])]
     opt = Muon(groups, **MUON_OPTIONS)
@@ -216,6 +221,10 @@ def test_bad_input_on_one_rank_makes_every_rank_raise_before_any_write(runs, ref
         for case, err in bad["constructor_errors"].items():
             assert err is not None, case
         assert "same parameters" in bad["constructor_errors"]["differs"][1]
+        ckpt = bad["checkpoint_errors"]
+        assert ckpt["not consolidated"][0] == "RuntimeError" and "consolidate_state_dict" in ckpt["not consolidated"][1]
+        assert ckpt["shape"][0] == "ValueError" and "momentum_buffer of parameter" in ckpt["shape"][1]
+        assert ckpt["untouched"]
     afters = [rep[kind]["after"] for rep in runs[world_size]]
     assert all(_bitwise(a, afters[0]) for a in afters)  # the ranks stayed in step after the errors
 

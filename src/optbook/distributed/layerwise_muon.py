@@ -461,15 +461,11 @@ class LayerWiseMuon(Muon):
         Raises:
             TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
         """
-        to = _check_int("to", to, 0)
-        if to >= self.world_size:
-            raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
         local = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                      for k, v in self.state[p].items()}
                  for i, p in enumerate(self._params) if self.owners[i] == self.rank and p in self.state}
-        gathered = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(local, gathered, dst=_global_rank(self.process_group, to), group=self.process_group)
-        if self.rank != to:
+        gathered = _consolidate(self, local, to)
+        if gathered is None:
             self._consolidated = None
             return
         state = {}
@@ -501,20 +497,36 @@ class LayerWiseMuon(Muon):
             ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts differ), or
                 a momentum buffer whose shape is not its parameter's; before anything is loaded.
         """
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups'")
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        if len(ids) == len(self._params):
-            for saved_id, p in zip(ids, self._params):
-                buf = state_dict["state"].get(saved_id, {}).get("momentum_buffer")
-                if isinstance(buf, torch.Tensor) and buf.shape != p.shape:
-                    raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has shape "
-                                     f"{tuple(buf.shape)}, the parameter {tuple(p.shape)}")
+        _check_muon_state_dict(state_dict, self._params)
         super().load_state_dict(state_dict)
         for i, p in enumerate(self._params):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
         self._consolidated = None
+
+
+def _check_muon_state_dict(state_dict, params) -> None:
+    """A plain Muon state dict whose momentum buffers have their parameters' shapes (the group and parameter
+    counts are checked by ``torch.optim.Optimizer.load_state_dict``)."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups'")
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    if len(ids) == len(params):
+        for saved_id, p in zip(ids, params):
+            buf = state_dict["state"].get(saved_id, {}).get("momentum_buffer")
+            if isinstance(buf, torch.Tensor) and buf.shape != p.shape:
+                raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has shape "
+                                 f"{tuple(buf.shape)}, the parameter {tuple(p.shape)}")
+
+
+def _consolidate(opt, local, to: int):
+    """Gather ``local`` (picklable, per rank) on group rank ``to``; the list of every rank's, or None elsewhere."""
+    to = _check_int("to", to, 0)
+    if to >= opt.world_size:
+        raise ValueError(f"Invalid to: expected a rank in 0 .. {opt.world_size - 1}, got {to}")
+    gathered = [None] * opt.world_size if opt.rank == to else None
+    dist.gather_object(local, gathered, dst=_global_rank(opt.process_group, to), group=opt.process_group)
+    return gathered
 
 
 # --- Moonlight: ZeRO-1 shards, gather the full matrix -------------------------------------------------------
@@ -590,6 +602,7 @@ class DistributedMuon(Muon):
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: torch.Tensor | None = None
+        self._consolidated: dict | None = None
         with torch.no_grad():
             self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
                                   for d, n in layout.buffer_numel.items()}
@@ -637,6 +650,7 @@ class DistributedMuon(Muon):
             with torch.enable_grad():
                 loss = closure()
         has_grad = _validate_on_every_rank(self, "DistributedMuon")
+        self._consolidated = None
         # 1. reduce-scatter the flat gradients, mean
         for buf in self.grad_buffers.values():
             buf.zero_()
@@ -713,12 +727,64 @@ class DistributedMuon(Muon):
                 p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
         return loss
 
-    def state_dict(self):
-        raise NotImplementedError("DistributedMuon keeps element shards of the momentum; a consolidated checkpoint "
-                                  "is not implemented (use LayerWiseMuon, whose state_dict has Muon's layout)")
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's momentum pieces on group rank ``to`` and assemble whole momentum matrices (a
+        collective), for :meth:`state_dict`. The result is dropped at the next :meth:`step`.
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("DistributedMuon.load_state_dict is not implemented (see state_dict)")
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        local = [(piece.index, piece.param_start, piece.param_end,
+                  self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
+                 for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
+        gathered = _consolidate(self, local, to)
+        if gathered is None:
+            self._consolidated = None
+            return
+        buffers: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            for index, start, end, m in part:
+                buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
+        plain = super().state_dict()  # param_groups with indices in param-group order
+        self._consolidated = {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)}
+                                        for i in sorted(buffers)},
+                              "param_groups": plain["param_groups"]}
+
+    def state_dict(self) -> dict:
+        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
+        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
+        parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
+        :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
+        DistributedMuon at any world size.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(f"DistributedMuon.state_dict: nothing consolidated on rank {self.rank}; call "
+                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
+        :meth:`LayerWiseMuon.state_dict` or from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its
+        pieces of the momentum. Not a collective: call it on every rank with the same dict.
+
+        Raises:
+            TypeError, ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts
+                differ), or a momentum buffer whose shape is not its parameter's; before anything is loaded.
+        """
+        _check_muon_state_dict(state_dict, self._params)
+        super().load_state_dict(state_dict)
+        full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
+                if "momentum_buffer" in self.state.get(p, {})}
+        self.state.clear()
+        for piece in self.pieces:
+            if piece.index in full:
+                flat = full[piece.index].reshape(-1)[piece.param_start:piece.param_end]
+                self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
+        self._consolidated = None
 
 
 def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

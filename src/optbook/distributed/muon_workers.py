@@ -5,6 +5,7 @@ picklable values; the single-process references are here too, so notebook and te
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -38,6 +39,7 @@ MUON_SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
 
 #: Muon hyperparameters of the equivalence runs: float64 Newton–Schulz, so differences are rounding only.
 MUON_OPTIONS = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_dtype": torch.float64}
+MOONLIGHT_LAYOUT = {"param_alignment": 1, "bucket_alignment": 4}  # small alignments: matrices cut across ranks
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -122,16 +124,19 @@ def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
 
     Returns:
         ``{"params", "comm_bytes", "predicted" (:func:`zero1_comm_bytes` times steps), "state_numel",
-        "split" (indices of parameters cut across two or more ranks)}``.
+        "split" (indices of parameters cut across two or more ranks), "checkpoint" (consolidated on the
+        group's last rank, else None)}``.
     """
     from .layerwise_muon import DistributedMuon, zero1_comm_bytes
 
     params, groups = muon_problem(seed)
-    opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, param_alignment=1,
-                          bucket_alignment=4, **MUON_OPTIONS)
+    opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, **MOONLIGHT_LAYOUT,
+                          **MUON_OPTIONS)
     for t in range(steps):
         _set_grads(params, muon_grads(params, t, rank, world_size, seed))
         opt.step()
+    opt.consolidate_state_dict(to=world_size - 1)
+    checkpoint = opt.state_dict() if rank == world_size - 1 else None
     pred = zero1_comm_bytes(opt.layout, gather_dtype)
     holders = {}
     for r in range(world_size):
@@ -140,7 +145,7 @@ def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
     return {"params": [p.detach().clone() for p in params], "comm_bytes": dict(opt.comm_bytes),
             "predicted": {k: steps * v for k, v in pred.items() if k != "total"},
             "state_numel": sum(m.numel() for m in opt.momentum_shard.values()),
-            "split": sorted(i for i, rs in holders.items() if len(rs) > 1)}
+            "split": sorted(i for i, rs in holders.items() if len(rs) > 1), "checkpoint": checkpoint}
 
 
 # --- one global norm: Muon (layer-wise) + AdamW (ZeRO-1) ----------------------------------------------------
@@ -257,10 +262,10 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
         ``{"errors": [(type, message) or None per case], "untouched": [bool per case], "grads_untouched": bool,
         "after": parameters after the final good step, "constructor_errors": {case: (type, message)}}``.
     """
-    from .layerwise_muon import DistributedMuon, LayerWiseMuon
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon, _global_rank
 
     cls = LayerWiseMuon if kind == "layerwise" else DistributedMuon
-    extra = {} if kind == "layerwise" else {"gather_dtype": torch.float64, "param_alignment": 1, "bucket_alignment": 4}
+    extra = {} if kind == "layerwise" else {"gather_dtype": torch.float64, **MOONLIGHT_LAYOUT}
     params, groups = muon_problem()
     opt = cls(groups, process_group=group, **MUON_OPTIONS, **extra)
     for t in range(2):
@@ -294,6 +299,26 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
             a.to_dense().view(torch.int64), p.grad.to_dense().view(torch.int64)) for a, p in zip(grads_before, params))
     _set_grads(params, good)
     opt.step()
+    checkpoint_errors = {}
+    try:
+        opt.state_dict()  # not consolidated since the last step
+        checkpoint_errors["not consolidated"] = None
+    except RuntimeError as e:
+        checkpoint_errors["not consolidated"] = (type(e).__name__, str(e))
+    opt.consolidate_state_dict(to=0)
+    saved = opt.state_dict() if rank == 0 else None
+    shared = [saved]
+    dist.broadcast_object_list(shared, src=_global_rank(group, 0), group=group)
+    bad = copy.deepcopy(shared[0])
+    first = min(bad["state"])
+    bad["state"][first]["momentum_buffer"] = bad["state"][first]["momentum_buffer"].t()[:1]
+    before = _snapshot(opt, params)
+    try:
+        opt.load_state_dict(bad)
+        checkpoint_errors["shape"] = None
+    except (TypeError, ValueError) as e:
+        checkpoint_errors["shape"] = (type(e).__name__, str(e))
+    checkpoint_errors["untouched"] = _bitwise(before, _snapshot(opt, params))
     constructor_errors = {}
     cases = [("vector", lambda: cls([torch.zeros(3, dtype=torch.float64, requires_grad=True)], process_group=group)),
              ("lr", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)], process_group=group,
@@ -315,7 +340,8 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
         except (TypeError, ValueError) as e:
             constructor_errors[name] = (type(e).__name__, str(e))
     return {"errors": errors, "untouched": untouched, "grads_untouched": grads_untouched,
-            "after": [p.detach().clone() for p in params], "constructor_errors": constructor_errors}
+            "after": [p.detach().clone() for p in params], "constructor_errors": constructor_errors,
+            "checkpoint_errors": checkpoint_errors}
 
 
 def layerwise_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
@@ -339,10 +365,11 @@ def muon_suite(rank: int, world_size: int) -> dict:
 
     Returns:
         ``{size: report or None}``; a report is ``{"layerwise", "round_robin", "moonlight", "chain",
-        "bad_layerwise", "bad_moonlight", "resumed", "tp_rows", "tp_cols"}`` (the results of the functions
-        above, :func:`tp_modes` on a ``(96, 48)`` matrix split by rows and by columns; ``"resumed"``: the
-        parameters after 2 more steps of a LayerWiseMuon that loaded the previous group's checkpoint, or None
-        for the first group).
+        "bad_layerwise", "bad_moonlight", "resumed", "resumed_moonlight", "tp_rows", "tp_cols"}`` (the results
+        of the functions above, :func:`tp_modes` on a ``(96, 48)`` matrix split by rows and by columns;
+        ``"resumed"`` / ``"resumed_moonlight"``: the parameters after 2 more steps of a LayerWiseMuon /
+        DistributedMuon that loaded the previous group's checkpoint of the same kind, or None for the first
+        group).
     """
     if world_size != 4:
         raise ValueError(f"Invalid world_size: muon_suite runs on 4 processes, got {world_size}")
@@ -359,24 +386,30 @@ def muon_suite(rank: int, world_size: int) -> dict:
                       "chain": chain_train(r, size, group=g),
                       "bad_layerwise": layerwise_bad_input(r, size, group=g),
                       "bad_moonlight": layerwise_bad_input(r, size, group=g, kind="moonlight"),
-                      "resumed": None if resume is None else _resume(r, size, g, resume),
+                      "resumed": None if resume is None else _resume(r, size, g, resume[0]),
+                      "resumed_moonlight": None if resume is None else _resume(r, size, g, resume[1], "moonlight"),
                       "tp_rows": tp_modes(r, size, shape=(96, 48), partition_dim=0, group=g),
                       "tp_cols": tp_modes(r, size, shape=(96, 48), partition_dim=1, group=g)}
-        shared = [None if report is None else report["layerwise"]["checkpoint"]]
+        shared = [None if report is None else (report["layerwise"]["checkpoint"], report["moonlight"]["checkpoint"])]
         dist.broadcast_object_list(shared, src=ranks[-1])
         resume, out[size] = shared[0], report
     return out
 
 
-def _resume(rank, world_size, group, checkpoint, seed: int = 0) -> list[torch.Tensor]:
-    """Continue :func:`layerwise_train` (4 steps done) from ``checkpoint`` for steps 4 and 5."""
-    from .layerwise_muon import LayerWiseMuon
+def _resume(rank, world_size, group, checkpoint, kind: str = "layerwise", seed: int = 0) -> list[torch.Tensor]:
+    """Continue :func:`layerwise_train` (``kind="layerwise"``) or :func:`moonlight_train` (``"moonlight"``),
+    4 steps done, from ``checkpoint`` for steps 4 and 5."""
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon
 
     params = muon_reference(4, seed)
     _, groups = muon_problem(seed)
     fresh = [p.clone().requires_grad_() for p in params]
     groups = [{**g, "params": fresh[:5] if i == 0 else fresh[5:]} for i, g in enumerate(groups)]
-    opt = LayerWiseMuon(groups, process_group=group, **MUON_OPTIONS)
+    if kind == "layerwise":
+        opt = LayerWiseMuon(groups, process_group=group, **MUON_OPTIONS)
+    else:
+        opt = DistributedMuon(groups, process_group=group, gather_dtype=torch.float64, **MOONLIGHT_LAYOUT,
+                              **MUON_OPTIONS)
     opt.load_state_dict(checkpoint)
     for t in (4, 5):
         _set_grads(fresh, muon_grads(fresh, t, rank, world_size, seed))
