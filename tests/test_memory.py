@@ -292,9 +292,10 @@ def same(a, b):
     return a == b
 
 
-def test_offload_bad_input_changes_nothing():
+@pytest.mark.parametrize("cls", [AdamW, torch.optim.AdamW])
+def test_offload_bad_input_changes_nothing(cls):
     model = mlp(F64)
-    opt = offloaded(model)
+    opt = offloaded(model, cls)
     run(model, opt, 2)
     before = snapshot(model, opt)
     params = list(model.parameters())
@@ -310,7 +311,11 @@ def test_offload_bad_input_changes_nothing():
         opt.step()
     params[0].grad = good
     opt.param_groups[0]["lr"] = -1.0
-    with pytest.raises(ValueError, match="lr"):
+    with pytest.raises(ValueError, match="lr|learning rate"):                  # optbook's or torch's wording
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.param_groups[-1]["betas"] = (0.9, 1.5)                                 # the last group: host and device
+    with pytest.raises(ValueError, match="beta"):
         opt.step()
     assert same(before, snapshot(model, opt))
 

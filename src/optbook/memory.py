@@ -32,6 +32,7 @@ Units: bytes (ints where they are exact); ``GB = 1e9`` bytes (decimal, as Megatr
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -594,11 +595,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # --- the step ---------------------------------------------------------------------------------------
     def _validate(self) -> None:
-        """Hyperparameters (optbook inner optimizers) and every model gradient, before anything is written."""
+        """Hyperparameters and every model gradient, before anything is written. An optbook inner optimizer
+        checks a group with its own ``_check_hyperparameters``; another ``torch.optim`` class checks only in
+        its constructor, so the group's hyperparameters are passed to a throwaway instance over one element."""
         books = [opt for opt, _ in self._subs if isinstance(opt, BookOptimizer)]
         for gi, group in enumerate(self.param_groups):
             if books:
                 books[0]._check_hyperparameters(group)
+            else:
+                accepted = inspect.signature(self.optimizer_class).parameters
+                hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
+                try:
+                    self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"param_groups[{gi}]: {e}") from e
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(p, f"param_groups[{gi}]['params'][{pi}]")
@@ -616,9 +626,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
-            ValueError, TypeError: an invalid hyperparameter (optbook inner optimizers) or gradient (shape,
-                dtype, device, sparse; non-finite for Muon and the matrix optimizers); parameters, state,
-                host copies and byte counters are then bitwise unchanged.
+            ValueError, TypeError: an invalid hyperparameter (what the inner optimizer's checks or, for a
+                ``torch.optim`` class, its constructor raise) or gradient (shape, dtype, device, sparse;
+                non-finite for Muon and the matrix optimizers); parameters, state, host copies and byte
+                counters are then bitwise unchanged.
         """
         loss = None
         if closure is not None:
