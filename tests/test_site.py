@@ -61,7 +61,13 @@ def _config():
 
 def _toc_pages() -> list[str]:
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [toc["root"]] + [c["file"] for part in toc.get("parts", []) for c in part["chapters"]]
+
+    def files(entries):  # a chapter, then its sections (e.g. book/08b_logit_harm under book/08_muonclip)
+        for entry in entries:
+            yield entry["file"]
+            yield from files(entry.get("sections", []))
+
+    return [toc["root"]] + [f for part in toc.get("parts", []) for f in files(part["chapters"])]
 
 
 PAGES = _toc_pages()
