@@ -1,8 +1,10 @@
-"""Relative update size per layer, grouped by role. Explained in chapter 9.
+"""Diagnostics of a model: relative update size per layer, grouped by role (explained in chapter 9),
+and the attention maps of a transformer (the section "Why logit growth matters" of chapter 8).
 
 Source: the relative update ``rho_l = ||Delta theta_l||_F / (||theta_l||_F + eps)``; layers whose
 ``rho`` differ by orders of magnitude point at a parametrisation, learning-rate, scaling or routing
-problem. Grouped by attention, MLP, embedding, norm (and output head / other).
+problem. Grouped by attention, MLP, embedding, norm (and output head / other). The attention entropy
+``H = -sum_j p_j log p_j`` of each softmax row measures how sharp attention is (0 nats: one-hot).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import nn
 from .models.transformer import CausalSelfAttention, MultiHeadLatentAttention
 from .optim.param_groups import classify_parameters, output_head
 
-__all__ = ["snapshot", "relative_update", "parameter_kind"]
+__all__ = ["snapshot", "relative_update", "parameter_kind", "attention_logits", "attention_entropy"]
 
 ATTENTION_TYPES = (CausalSelfAttention, MultiHeadLatentAttention, nn.MultiheadAttention)
 
@@ -75,3 +77,56 @@ def relative_update(model: nn.Module, before: dict[str, torch.Tensor], after: di
         b, a = before[name].double(), after[name].double()
         out.setdefault(kind, {})[name] = float((a - b).norm() / (b.norm() + eps))
     return out
+
+
+@torch.no_grad()
+def attention_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The pre-softmax attention logits of every attention layer of ``model`` on the batch ``idx``.
+
+    Runs one forward in eval mode (so the layers' recorded ``max_logits`` are left as they are; the
+    model's training mode is restored afterwards), captures each attention layer's input and returns
+    what that layer feeds to its softmax (its ``attention_logits(x)``).
+
+    Args:
+        model: a model with ``attention_layers()`` (:class:`optbook.models.TinyTransformer`) whose layers
+            have ``attention_logits`` (:class:`~optbook.models.CausalSelfAttention`,
+            :class:`~optbook.models.MultiHeadLatentAttention`).
+        idx: the model's input, int64 token ids ``(batch, seq)``.
+
+    Returns:
+        ``(n_layers, batch, n_heads, seq, seq)`` in the model's dtype (float64 for a ``.double()`` copy);
+        the causally masked entries (key after query) are ``-inf``.
+
+    Raises:
+        TypeError: ``model`` has no ``attention_layers()`` or a layer has no ``attention_logits``.
+    """
+    layers = model.attention_layers() if hasattr(model, "attention_layers") else None
+    if not layers or not all(hasattr(a, "attention_logits") for a in layers):
+        raise TypeError(f"Invalid model: expected attention_layers() whose layers have attention_logits(x), "
+                        f"got {type(model).__name__}")
+    inputs = {}
+    hooks = [a.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, a in enumerate(layers)]
+    was_training = model.training
+    try:
+        model.eval()
+        model(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return torch.stack([a.attention_logits(inputs[i]) for i, a in enumerate(layers)])
+
+
+def attention_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of ``softmax(logits)`` over the last dimension: ``-sum_j p_j log p_j``.
+
+    ``-inf`` entries (masked keys) have ``p_j = 0`` and add nothing. 0 for a one-hot row, ``log n`` for a
+    uniform row over ``n`` keys. Floating dtype in, same dtype out, shape ``logits.shape[:-1]``.
+
+    Raises:
+        TypeError: ``logits`` is not a floating-point tensor.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"Invalid logits: expected a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
+    return torch.special.entr(torch.softmax(logits, dim=-1)).sum(dim=-1)

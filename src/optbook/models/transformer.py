@@ -95,17 +95,23 @@ class CausalSelfAttention(nn.Module):
     n_kv_heads = property(lambda self: self.head_layout.n_kv_heads)
     d_head = property(lambda self: self.head_layout.d_head)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The pre-softmax logits ``(B, n_heads, T, T)`` for the input ``x`` ``(B, T, d_model)``, in the
+        model's dtype, with the masked entries (key after query) at ``-inf``: what :meth:`forward`
+        feeds to the softmax. Records nothing."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.d_head).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        group = self.head_layout.group
-        k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
-        v = v.repeat_interleave(group, dim=1)
-        logits = _causal_logits((q @ k.transpose(-2, -1)) / math.sqrt(self.d_head))  # (B, H, T, T)
+        k = k.repeat_interleave(self.head_layout.group, dim=1)  # query head h reads kv head h // group
+        return _causal_logits((q @ k.transpose(-2, -1)) / math.sqrt(self.d_head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        logits = self.attention_logits(x)                                             # (B, H, T, T)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
+        v = v.repeat_interleave(self.head_layout.group, dim=1)
         if self.training:
             self.max_logits = _running_max(self.max_logits, logits)              # (H,)
         out = F.softmax(logits, dim=-1) @ v
@@ -159,17 +165,25 @@ class MultiHeadLatentAttention(nn.Module):
     d_rope = property(lambda self: self.head_layout.d_rope)
     kv_rank = property(lambda self: self.head_layout.kv_rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_logits(self, x: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+        """The pre-softmax logits ``(B, n_heads, T, T)`` for ``x`` ``(B, T, d_model)``, masked entries at
+        ``-inf`` (see :meth:`CausalSelfAttention.attention_logits`); ``c`` is ``kv_down(x)`` when the
+        caller has it already. Records nothing."""
         B, T, _ = x.shape
         H, d, r = self.n_heads, self.d_head, self.d_rope
-        c = self.kv_down(x)
+        c = self.kv_down(x) if c is None else c
         q_c = self.q_c_proj(x).view(B, T, H, d).transpose(1, 2)
         q_r = _rope(self.q_r_proj(x).view(B, T, H, r).transpose(1, 2))
         k_c = self.k_c_proj(c).view(B, T, H, d).transpose(1, 2)
         k_r = _rope(self.k_r_proj(x).view(B, 1, T, r))                        # shared by every head
-        v = self.v_proj(c).view(B, T, H, d).transpose(1, 2)
         scores = (q_c @ k_c.transpose(-2, -1) + q_r @ k_r.transpose(-2, -1)) / math.sqrt(d + r)
-        logits = _causal_logits(scores)
+        return _causal_logits(scores)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.kv_down(x)
+        logits = self.attention_logits(x, c)
+        v = self.v_proj(c).view(B, T, self.n_heads, self.d_head).transpose(1, 2)
         if self.training:
             self.max_logits = _running_max(self.max_logits, logits)
         out = F.softmax(logits, dim=-1) @ v
