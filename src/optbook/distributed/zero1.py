@@ -353,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its (pipelined)
         # all_reduce and its broadcast on the same bytes, and one reduce per shard is slower than the
         # all_reduce (measured: benchmarks/bench_zero1.py); NCCL's reduce-scatter/all-gather are the fast path.
-        self._per_shard_collectives = dist.get_backend(group) == "gloo" and world_size > 1
+        self._gloo_collectives = dist.get_backend(group) == "gloo" and world_size > 1
 
         with torch.no_grad():
             self.param_buffers: dict = {}
@@ -591,7 +591,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
                 shard = self._shard(self.grad_buffers, b)
-                if self._per_shard_collectives:  # gloo: an all-reduce of the bucket; each rank reads its shard
+                if self._gloo_collectives:  # gloo: an all-reduce of the bucket; each rank reads its shard
                     dist.all_reduce(self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                     group=self.process_group)
                 else:
@@ -640,7 +640,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._shard(self.param_buffers, b).copy_(master)
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
-                if self._per_shard_collectives:  # gloo: each owner broadcasts its shard
+                if self._gloo_collectives:  # gloo: each owner broadcasts its shard
                     flat = self.param_buffers[bucket.dtype]
                     for q, src in enumerate(self._global_ranks):
                         lo, hi = bucket.shard(q)
