@@ -483,10 +483,7 @@ class LayerWiseMuon(Muon):
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        if self._consolidated is None:
-            raise RuntimeError(f"LayerWiseMuon.state_dict: nothing consolidated on rank {self.rank}; call "
-                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
-        return self._consolidated
+        return _consolidated_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain Muon state dict (from :meth:`state_dict` at any world size, or from
@@ -517,6 +514,14 @@ def _check_muon_state_dict(state_dict, params) -> None:
             if isinstance(buf, torch.Tensor) and buf.shape != p.shape:
                 raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has shape "
                                  f"{tuple(buf.shape)}, the parameter {tuple(p.shape)}")
+
+
+def _consolidated_state(opt) -> dict:
+    """``opt._consolidated``, or a RuntimeError saying how to get it."""
+    if opt._consolidated is None:
+        raise RuntimeError(f"{type(opt).__name__}.state_dict: nothing consolidated on rank {opt.rank}; call "
+                           "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
+    return opt._consolidated
 
 
 def _consolidate(opt, local, to: int):
@@ -761,10 +766,7 @@ class DistributedMuon(Muon):
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        if self._consolidated is None:
-            raise RuntimeError(f"DistributedMuon.state_dict: nothing consolidated on rank {self.rank}; call "
-                               "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
-        return self._consolidated
+        return _consolidated_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
