@@ -1,7 +1,7 @@
 """optbook: the package behind *Optimizers, Derived*.
 
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
-:mod:`optbook.clipping`, :mod:`optbook.distributed`, :mod:`optbook.precision`,
+:mod:`optbook.clipping`, :mod:`optbook.contract` (the step contract every class follows), :mod:`optbook.distributed`, :mod:`optbook.precision`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
 :mod:`optbook.runtime`, :mod:`optbook.testing`, :mod:`optbook.bench`, :mod:`optbook.kernels`, :mod:`optbook.memory`.
 
@@ -18,12 +18,12 @@ from .newton_schulz import newton_schulz, ns_schedule, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
-__all__ = ["bench", "clipping", "data", "diagnostics", "distributed", "kernels", "memory", "models",
+__all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
            "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "precision", "qk_clip_",
            "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
-_LAZY_SUBMODULES = ("bench", "clipping", "data", "diagnostics", "distributed", "kernels", "memory", "models",
+_LAZY_SUBMODULES = ("bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
                     "plotting", "runtime", "schedules", "testing", "training")
 
 

@@ -116,6 +116,7 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
 
 class _AdamBase(BookOptimizer):
     _decoupled: bool
+    elementwise = True
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "eps", "weight_decay")
 

@@ -54,6 +54,8 @@ class Lion(BookOptimizer):
         ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
+    elementwise = True
+
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "weight_decay")
 

@@ -52,6 +52,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 class BookOptimizer(torch.optim.Optimizer):
     """Base class: validation before mutation, closures, and PyTorch's param-group machinery."""
 
+    #: Whether each element is updated from its own gradient and state alone, so that any slice of a flat
+    #: buffer steps as the whole parameter does (ZeRO-1 and offload accept only such classes;
+    #: :func:`optbook.contract.elementwise`). Each optimizer sets it.
+    elementwise = False
+
     #: Set by optimizers defined for 2-D matrices only (Shampoo, SOAP): the hint of the error for other shapes.
     matrix_hint: str | None = None
 

@@ -86,6 +86,8 @@ class SGD(BookOptimizer):
             ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """
 
+    elementwise = True
+
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "momentum", "weight_decay")
 

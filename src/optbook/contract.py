@@ -1,0 +1,146 @@
+"""The one step contract every optimizer and wrapper of :mod:`optbook` follows. Explained in chapter 10.
+
+This module is the contract's home: its rules are written here once, and the pieces every class needs to
+follow them (the owner registry, the outside-write check, the non-finite error, the element-wise rule) are
+defined here and nowhere else.
+
+Who owns the weights
+    The model's parameters are the weights the user sees. A wrapper that keeps its own copy of them -- the
+    float32 masters of :class:`~optbook.precision.MixedPrecisionOptimizer`, the master shards of
+    :class:`~optbook.distributed.DistributedOptimizer`, the pieces of
+    :class:`~optbook.distributed.DistributedMuon`, the host copies of :class:`~optbook.memory.OffloadOptimizer`
+    -- is the *owner* of those parameters: it registers itself with :func:`register_owner`, and its copy is
+    the truth its next ``step()`` starts from.
+
+An outside write is never silently undone
+    Every in-place write to a tensor bumps its version counter (``tensor._version``, a host integer: reading
+    it costs no device synchronisation). An owner records each parameter's version after its own writes
+    (:class:`VersionTracker`); at the start of ``step()`` a changed version is a write it did not make (a
+    weights-only ``model.load_state_dict``, a user's in-place edit, :func:`optbook.qk_clip_`). The owner takes
+    it up -- copies the parameter into its copy -- before anything else, so it never writes stale weights
+    over it. An edit that must not lose the master's low bits goes through :func:`scale_weights_`, which
+    :func:`optbook.qk_clip_` uses: the owner scales its (float32) copy and writes the model's parameter from it.
+
+Non-finite gradients: one policy per kind of step
+    * No loss scaler (every optimizer of :mod:`optbook.optim`, the chain, every wrapper built without one):
+      ``step()`` raises :class:`NonFiniteGradientError` naming the parameter, before anything is written, so
+      the run stops where the fault is (Megatron-LM's default ``--check-for-nan-in-loss-and-grad``;
+      ``torch.optim`` does not check and writes the NaN into the weights). The check is one reduction per
+      device (:func:`optbook.optim.optimizer.all_finite`).
+    * With a loss scaler: the step is skipped -- nothing but the scaler changes -- and reported:
+      ``found_inf`` is ``True`` and ``skipped_steps`` grows (``torch.amp.GradScaler.step``; Megatron-LM's
+      ``MixedPrecisionOptimizer.step``).
+
+What ``step()`` returns and reports
+    ``step(closure=None)`` returns the closure's loss or ``None``, as ``torch.optim.Optimizer.step``. Every
+    wrapper reports the last step in attributes: ``found_inf`` (bool), ``skipped_steps`` (int, since
+    construction, kept in its state dict) and ``last_grad_norm`` (float: the global gradient norm before
+    clipping where the class computes one, else ``None``).
+
+What ``load_state_dict`` guarantees
+    The whole dict is validated first -- parameter count, group layout, state shapes and dtypes, every
+    member of a chain -- and on any error nothing has been written.
+
+Distributed wrappers
+    At construction every rank's parameter shapes and dtypes are compared (one collective); a difference is
+    an error naming the first parameter that differs and the ranks that disagree.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["NonFiniteGradientError", "VersionTracker", "elementwise", "owner_of", "register_owner",
+           "scale_weights_"]
+
+
+class NonFiniteGradientError(ValueError, FloatingPointError):
+    """A gradient holds NaN or inf and no loss scaler is there to skip the step; nothing was written.
+
+    A subclass of :class:`ValueError` (what optbook raised before it existed) and of
+    :class:`FloatingPointError`.
+    """
+
+
+# --- who owns a parameter -----------------------------------------------------------------------------------
+# parameter -> weak reference to the wrapper holding the copy ``step()`` starts from. Keyed weakly by the
+# tensor object (identity), so a dropped model or wrapper leaves no entry behind.
+_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def register_owner(params, owner) -> None:
+    """Record ``owner`` as the holder of the copy of each tensor in ``params`` that its steps start from.
+
+    The owner must implement ``_scale_weights_(param, factor)`` (see :func:`scale_weights_`). A later
+    registration of the same parameter replaces the earlier one (the newest wrapper built over it).
+    """
+    ref = weakref.ref(owner)
+    for p in params:
+        _OWNERS[p] = ref
+
+
+def owner_of(param: torch.Tensor):
+    """The live wrapper registered for ``param`` with :func:`register_owner`, or ``None``."""
+    ref = _OWNERS.get(param)
+    return None if ref is None else ref()
+
+
+@torch.no_grad()
+def scale_weights_(param: torch.Tensor, factor) -> None:
+    """Multiply the weights of ``param`` by ``factor``, in the copy its owner steps from.
+
+    Args:
+        param: a model parameter.
+        factor: a Python number or a tensor broadcastable to ``param.shape`` (for a row scaling, shape
+            ``(rows, 1)``); applied in float32 or wider.
+
+    With no owner the parameter is multiplied in place. With an owner, the owner scales its copy (the
+    float32 master, the local shard, the host copy) and writes the model's parameter from it, as its next
+    step would; for a distributed owner this is collective (every rank calls it with the same factor).
+    """
+    owner = owner_of(param)
+    if owner is None:
+        param.mul_(factor)
+    else:
+        owner._scale_weights_(param, factor)
+
+
+class VersionTracker:
+    """The version each parameter had after the owner's last write, to see writes it did not make.
+
+    ``record(params)`` after every write of the owner; ``changed(params)`` lists the indices of those whose
+    ``_version`` moved since. Host integers only: no device synchronisation.
+    """
+
+    def __init__(self) -> None:
+        self._versions: dict[int, int] = {}
+
+    def record(self, params) -> None:
+        for p in params:
+            self._versions[id(p)] = p._version
+
+    def changed(self, params) -> list[int]:
+        return [i for i, p in enumerate(params) if self._versions.get(id(p)) != p._version]
+
+
+# --- which optimizers a flat shard can step -----------------------------------------------------------------
+def _torch_elementwise() -> tuple:
+    o = torch.optim
+    return tuple(getattr(o, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop",
+                                         "Rprop", "ASGD") if hasattr(o, n))
+
+
+def elementwise(optimizer_class) -> bool:
+    """Whether ``optimizer_class`` updates every element from that element's own gradient and state alone.
+
+    Such an optimizer steps any slice of a flat buffer exactly as it steps the whole parameter (ZeRO-1,
+    offload). Read from the class attribute ``elementwise`` (every optimizer of :mod:`optbook.optim` sets
+    it); for ``torch.optim`` an allow-list of its element-wise classes (SGD, Adam, AdamW, Adamax, NAdam,
+    RAdam, Adagrad, RMSprop, Rprop, ASGD); any other class is not element-wise.
+    """
+    flag = getattr(optimizer_class, "elementwise", None)
+    if flag is not None:
+        return bool(flag)
+    return optimizer_class in _torch_elementwise()  # the class itself: a subclass may change the math
