@@ -47,6 +47,7 @@ from ..optim._functional import momentum_directions
 from ..optim.muon import split_rows
 from ..optim.optimizer import all_finite
 from .zero1 import _LOW_PRECISION, _all_gather, _check_int, _reduce_scatter, shard_layout
+from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -142,61 +143,6 @@ def rank_loads(costs, owners, world_size: int) -> list:
 
 
 # --- helpers shared by both optimizers ----------------------------------------------------------------------
-def _group_info(process_group):
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("needs an initialised torch.distributed process group "
-                           "(optbook.distributed.launch, or init_from_env under torchrun)")
-    group = dist.group.WORLD if process_group is None else process_group
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def _global_rank(group, rank: int) -> int:
-    return rank if group is dist.group.WORLD else dist.get_global_rank(group, rank)
-
-
-def _check_same_params(params, group, world_size, who: str) -> None:
-    """Every rank must pass the same list of shapes and dtypes (a collective; raises on every rank)."""
-    mine = [(tuple(p.shape), str(p.dtype)) for p in params]
-    every = [None] * world_size
-    dist.all_gather_object(every, mine, group=group)
-    for r, theirs in enumerate(every):
-        if theirs != mine:
-            raise ValueError(f"Invalid params: {who} needs the same parameters (shapes, dtypes, order) on every "
-                             f"rank; rank {r} has {len(theirs)} parameters {theirs[:4]}..., this rank {len(mine)} "
-                             f"{mine[:4]}...")
-
-
-def _validate_on_every_rank(opt, name: str) -> list[bool]:
-    """Validate ``opt``'s groups and gradients on this rank (non-finite values are judged later, after the
-    mean), agree on the outcome with every rank (all raise if one does, before anything is written), and
-    return which parameters have a gradient on any rank. Counts its control bytes in ``opt.comm_bytes``."""
-    try:
-        saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False  # judged after the mean
-        try:
-            opt._validate()
-        finally:
-            opt.refuse_nonfinite_grads = saved
-        error = None
-    except (TypeError, ValueError, RuntimeError) as e:
-        error = e
-    has_grad = [p.grad is not None for p in opt._params]
-    opt.comm_bytes["control"] += 8 * (1 + len(has_grad))
-    return _sync_status(error, opt.rank, has_grad, opt.process_group, opt.device, name)
-
-
-def _sync_status(error, rank, has_grad, group, device, who) -> list:
-    """One all-reduce (MAX) of ``[failing rank + 1, has_grad...]``; raise on every rank if some rank failed."""
-    status = torch.tensor([rank + 1 if error is not None else 0, *has_grad], dtype=torch.float64, device=device)
-    dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
-    status = status.tolist()
-    if error is not None:
-        raise error
-    if status[0]:
-        raise ValueError(f"{who}.step: rank {int(status[0]) - 1} of the group found an invalid input (see its "
-                         "error); nothing was changed on any rank")
-    return [bool(s) for s in status[1:]]
-
-
 def _clip_coefficient(norm: float, max_grad_norm) -> float:
     """``min(1, max_norm / (norm + 1e-6))`` as :func:`optbook.clipping.clip_grad_norm_` (1 without clipping)."""
     if max_grad_norm is None or not math.isfinite(norm):
@@ -288,7 +234,7 @@ class LayerWiseMuon(Muon):
 
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
                  **muon_defaults):
-        group, rank, world_size = _group_info(process_group)
+        group, rank, world_size = group_info(process_group)
         if assignment not in ("lpt", "round_robin"):
             raise ValueError(f"Invalid assignment: expected 'lpt' or 'round_robin', got {assignment!r}")
         max_grad_norm = _check_max_grad_norm(max_grad_norm)
@@ -297,7 +243,7 @@ class LayerWiseMuon(Muon):
         devices = {p.device for p in all_params}
         if len(devices) > 1:
             raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
-        _check_same_params(all_params, group, world_size, "LayerWiseMuon")
+        check_same_params(all_params, group, world_size, "LayerWiseMuon")
         self.process_group, self.rank, self.world_size = group, rank, world_size
         self.max_grad_norm = max_grad_norm
         self.assignment = assignment
@@ -312,7 +258,7 @@ class LayerWiseMuon(Muon):
         self._consolidated: dict | None = None
         self._mean_grads: list | None = None
         with torch.no_grad():
-            src = _global_rank(group, 0)
+            src = global_rank(group, 0)
             for p in all_params:
                 if p.numel():
                     dist.broadcast(p.data, src=src, group=group)
@@ -356,7 +302,7 @@ class LayerWiseMuon(Muon):
         all finite)``, the same on every rank. Writes nothing but internal buffers."""
         self._consolidated = None
         self._mean_grads = None
-        has_grad = _validate_on_every_rank(self, "LayerWiseMuon")
+        has_grad = validate_on_every_rank(self, "LayerWiseMuon")
         mean: list = [None] * len(self._params)
         by_dtype: dict = {}
         for i, p in enumerate(self._params):
@@ -530,7 +476,7 @@ def _consolidate(opt, local, to: int):
     if to >= opt.world_size:
         raise ValueError(f"Invalid to: expected a rank in 0 .. {opt.world_size - 1}, got {to}")
     gathered = [None] * opt.world_size if opt.rank == to else None
-    dist.gather_object(local, gathered, dst=_global_rank(opt.process_group, to), group=opt.process_group)
+    dist.gather_object(local, gathered, dst=global_rank(opt.process_group, to), group=opt.process_group)
     return gathered
 
 
@@ -583,7 +529,7 @@ class DistributedMuon(Muon):
     def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
                  max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
                  bucket_alignment: int = 128, **muon_defaults):
-        group, rank, world_size = _group_info(process_group)
+        group, rank, world_size = group_info(process_group)
         if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
         max_grad_norm = _check_max_grad_norm(max_grad_norm)
@@ -598,7 +544,7 @@ class DistributedMuon(Muon):
             raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
         layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
                               bucket_alignment=bucket_alignment)
-        _check_same_params(all_params, group, world_size, "DistributedMuon")
+        check_same_params(all_params, group, world_size, "DistributedMuon")
         self.process_group, self.rank, self.world_size = group, rank, world_size
         self.gather_dtype, self.max_grad_norm = gather_dtype, max_grad_norm
         self.layout, self.pieces = layout, layout.pieces(rank)
@@ -613,7 +559,7 @@ class DistributedMuon(Muon):
                                   for d, n in layout.buffer_numel.items()}
             self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
                                  for d, n in layout.buffer_numel.items()}
-            src = _global_rank(group, 0)
+            src = global_rank(group, 0)
             for p in all_params:
                 if p.numel():
                     dist.broadcast(p.data, src=src, group=group)
@@ -654,7 +600,7 @@ class DistributedMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        has_grad = _validate_on_every_rank(self, "DistributedMuon")
+        has_grad = validate_on_every_rank(self, "DistributedMuon")
         self._consolidated = None
         # 1. reduce-scatter the flat gradients, mean
         for buf in self.grad_buffers.values():

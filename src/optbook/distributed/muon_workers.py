@@ -262,7 +262,8 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
         ``{"errors": [(type, message) or None per case], "untouched": [bool per case], "grads_untouched": bool,
         "after": parameters after the final good step, "constructor_errors": {case: (type, message)}}``.
     """
-    from .layerwise_muon import DistributedMuon, LayerWiseMuon, _global_rank
+    from ._ranks import global_rank
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon
 
     cls = LayerWiseMuon if kind == "layerwise" else DistributedMuon
     extra = {} if kind == "layerwise" else {"gather_dtype": torch.float64, **MOONLIGHT_LAYOUT}
@@ -308,7 +309,7 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
     opt.consolidate_state_dict(to=0)
     saved = opt.state_dict() if rank == 0 else None
     shared = [saved]
-    dist.broadcast_object_list(shared, src=_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(shared, src=global_rank(group, 0), group=group)
     bad = copy.deepcopy(shared[0])
     first = min(bad["state"])
     bad["state"][first]["momentum_buffer"] = bad["state"][first]["momentum_buffer"].t()[:1]
