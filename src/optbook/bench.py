@@ -79,11 +79,11 @@ def ns_flops(shape: Sequence[int], steps: int = 5, coefficients="simple", *, alg
     schedule = ns_schedule(coefficients, steps)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"Invalid algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    restart_at = check_restarts(restarts)
     m, n = sorted(dims[-2:])
     batch = math.prod(dims[:-2])
     if algorithm == "standard":
         return batch * sum(4 * m * m * n + (2 * m ** 3 if c != 0 else 0) for _, _, c in schedule)
-    restart_at = check_restarts(restarts)
     total = 2 * m * m * n + 2 * m * m * n                      # R = X X^T at the start, Q X at the end
     for t, (_, _, c) in enumerate(schedule):
         if t in restart_at:

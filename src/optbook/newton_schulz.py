@@ -239,7 +239,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
             wide orientation, ``X <- D X`` with ``D = diag(1 / sqrt(sum_j |(X X^T)_ij|))`` (AOL, Prach &
             Lampert 2022; Boissin et al. 2025, *Turbo-Muon*, arXiv:2512.04632, sec. 3), which bounds
             ``||D X||_2 <= 1`` and pushes the small singular values up, so a schedule may start one step
-            later (Turbo-Muon drops the first quintic triple). The product ``X X^T`` is reused as step 0's
+            later (Turbo-Muon drops the first quintic triple; do so: ``||D X||_2`` may sit at 1, where
+            a schedule's aggressive first polynomial is steep, and in bfloat16 a value rounded just past 1
+            is flung far above it: measured 1.53 for the five ``"polar_express"`` triples). The product ``X X^T`` is reused as step 0's
             ``A`` (or as the Gram ``R``), so AOL adds no matrix product. *Different mathematics*: the
             result is ``U' phi(S') V'^T`` for the SVD of ``D X``, an approximation of the polar factor
             of ``D X``, not of ``X`` (equal when the rows of ``X`` are orthogonal). After the Frobenius
@@ -293,7 +295,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     X = X.reshape(-1, *X.shape[-2:]).contiguous()  # one batch dimension for baddbmm, rows in memory
     right = _column_major if X.device.type == "cpu" and X.dtype in (torch.bfloat16, torch.float16) else _same
     if gram == "symmetric":   # the tiles on and below the diagonal, mirrored; b A + c A^2 in one kernel
-        from .kernels import gram_poly, gram_xxt   # Triton is imported on the first kernel launch only
+        from .kernels import gram_poly, gram_xxt  # Triton is imported on the first kernel launch only
 
         def xxt(Y):
             return gram_xxt(Y)
