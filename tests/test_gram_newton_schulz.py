@@ -212,3 +212,36 @@ def test_matches_dao_ailab_gram_newton_schulz(shape):
     for out in (ours, theirs):
         torch.testing.assert_close(out, exact, rtol=0, atol=4e-3)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=4e-3)
+
+
+@pytest.mark.parametrize("ns_algorithm", ["gram", "auto"])
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (24, 24)])
+def test_muon_with_gram_newton_schulz_stays_within_the_torch_muon_parity_tolerance(ns_algorithm, shape):
+    from optbook.optim import Muon
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    ours, ref = W.clone().requires_grad_(), W.clone().requires_grad_()
+    opt = Muon([ours], lr=0.02, weight_decay=0.1, ns_algorithm=ns_algorithm)
+    torch_opt = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        grad = torch.randn(*shape, generator=g)
+        for o, p in ((opt, ours), (torch_opt, ref)):
+            p.grad = grad.clone()
+            o.step()
+    moved = float((ref - W).detach().abs().max())
+    # the bound of tests/test_muon.py's parity test: both iterate in bf16 with different roundings
+    assert moved > 0.3 and float((ours - ref).detach().abs().max()) <= 0.01 * moved
+
+
+def test_muon_refuses_an_unknown_ns_algorithm_before_any_write():
+    from optbook.optim import Muon
+    with pytest.raises(ValueError, match="ns_algorithm"):
+        Muon([torch.randn(4, 4, requires_grad=True)], ns_algorithm="fast")
+    p = torch.randn(4, 8, requires_grad=True)
+    opt = Muon([p], ns_algorithm="auto")
+    p.grad = torch.randn(4, 8)
+    opt.param_groups[0]["ns_algorithm"] = "fast"
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="ns_algorithm"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]
