@@ -182,7 +182,7 @@ def ns_overhead(width: int, depth: int, batch_tokens: int, dp: int = 1, *, shard
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float64": torch.float64}
 _CPU_SHAPES = "64x64,64x256,128x512"
-_PATHS = ("plain", "batched", "symmetric")
+_PATHS = ("plain", "batched", "symmetric", "gram")
 _SYMMETRIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _GPU_SHAPES = "1024x1024,1024x4096,4096x4096,4096x16384"
 
@@ -274,7 +274,9 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     :func:`optbook.kernels.gram_xxt` (tiles on and below the diagonal only; its ``fraction_of_matmul`` is
     the Gram step's speed-up over ``bmm``, as it is credited the full ``2 k^2 l``), and ``"symmetric"``,
     the batched call with ``gram="symmetric"``. Both only for float16/bfloat16/float32; on a CPU they time
-    torch's products unless ``TRITON_INTERPRET=1`` (:func:`optbook.kernels.gram_backend`).
+    torch's products unless ``TRITON_INTERPRET=1`` (:func:`optbook.kernels.gram_backend`). ``"gram"``: the
+    batched call with ``algorithm="gram"`` (Gram Newton–Schulz, default restarts), credited its own
+    :func:`ns_flops`; its speed-up over the standard iteration is the ratio of the two ``seconds``.
 
     Args:
         shapes: ``(m, n)`` pairs. dtypes: names, keys of ``bfloat16 float16 float32 float64``.
@@ -282,7 +284,7 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
         repeat: timed runs per measurement after one warm-up; the median is kept.
         device: where to run (CUDA timings are synchronised). seed: of the Gaussian inputs.
         progress: called with each result dict as it is measured (``None``: silent).
-        paths: of ``"plain"``, ``"batched"``, ``"symmetric"`` (the matmul row is always measured).
+        paths: of ``"plain"``, ``"batched"``, ``"symmetric"``, ``"gram"`` (the matmul row is always measured).
 
     Raises:
         ValueError: an unknown dtype name or path, ``batch`` or ``repeat`` below 1, a bad ``steps`` or
@@ -337,14 +339,17 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
             calls = {"plain": lambda: [newton_schulz(g, steps, coefficients, dtype=dtype) for g in G],
                      "batched": lambda: newton_schulz(G, steps, coefficients, dtype=dtype),
                      "symmetric": lambda: newton_schulz(G, steps, coefficients, dtype=dtype,
-                                                        gram="symmetric")}
+                                                        gram="symmetric"),
+                     "gram": lambda: newton_schulz(G, steps, coefficients, dtype=dtype, algorithm="gram")}
             for path, fn in calls.items():
                 if path not in paths or (path == "symmetric" and dtype not in _SYMMETRIC_DTYPES):
                     continue
                 seconds = measure(fn, repeat)
-                tflops = flops / seconds / 1e12
-                error = orthogonality_error(fn()) if path in ("batched", "symmetric") else None
-                add(shape=[m, n], batch=batch, dtype=name, path=path, seconds=seconds, flops=flops,
+                path_flops = ns_flops((batch, m, n), steps, coefficients, algorithm="gram") if path == "gram" \
+                    else flops
+                tflops = path_flops / seconds / 1e12
+                error = orthogonality_error(fn()) if path != "plain" else None
+                add(shape=[m, n], batch=batch, dtype=name, path=path, seconds=seconds, flops=path_flops,
                     tflops=tflops, matmul_tflops=mm_tflops, fraction_of_matmul=tflops / mm_tflops,
                     orthogonality_error=error)
     return rows
