@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import gram_backend, gram_xxt
-from .newton_schulz import newton_schulz, ns_schedule
+from .newton_schulz import ALGORITHMS, GRAM_RESTARTS, check_restarts, newton_schulz, ns_schedule
 
 __all__ = ["NSOverhead", "main", "ns_flops", "ns_overhead", "orthogonality_error", "run_benchmark",
            "transformer_muon_shapes"]
@@ -51,28 +51,47 @@ def _shape(shape: Sequence[int]) -> tuple[int, ...]:
     return dims
 
 
-def ns_flops(shape: Sequence[int], steps: int = 5, coefficients="simple") -> int:
+def ns_flops(shape: Sequence[int], steps: int = 5, coefficients="simple", *, algorithm: str = "standard",
+             restarts: Sequence[int] = GRAM_RESTARTS) -> int:
     """Matrix-product FLOPs of one :func:`optbook.newton_schulz` call on a tensor of ``shape``.
 
     Args:
         shape: ``(..., m, n)``; leading sizes are a batch of matrices (a ``torch.Size`` works).
-        steps, coefficients: as in :func:`optbook.newton_schulz`; a step whose ``c`` is 0 (the cubic)
-            has no ``A^2`` product.
+        steps, coefficients, algorithm, restarts: as in :func:`optbook.newton_schulz`; a step whose
+            ``c`` is 0 (the cubic) has no ``A^2`` (or ``R^2``) product. ``precondition="aol"`` reuses
+            step 0's Gram product and adds no product, so it is not an argument here.
 
     Returns:
-        FLOPs (int; a multiply-add counts 2): ``batch * sum over steps of (4 m^2 n + 2 m^3 [c != 0])``
-        with ``m = min`` and ``n = max`` of the last two sizes. Equals what ``FlopCounterMode``
-        counts for the real call (``tests/test_bench.py``).
+        FLOPs (int; a multiply-add counts 2), with ``m = min`` and ``n = max`` of the last two sizes,
+        times the batch. ``"standard"``: the sum over steps of ``4 m^2 n + 2 m^3 [c != 0]``.
+        ``"gram"``: ``2 m^2 n`` for ``R = X X^T``, then per step ``t``: ``2 m^3 [c != 0]`` for ``R^2``,
+        ``2 m^3`` for ``Q h(R)`` unless ``Q`` is the identity (``t = 0`` or a restart), ``4 m^3`` for
+        ``R <- h(R) R h(R)`` unless ``t`` is the last step or the next one restarts, ``4 m^2 n`` at a
+        restart (``Q X``, then ``X X^T``), and ``2 m^2 n`` for the final ``Q X``. Equals what
+        ``FlopCounterMode`` counts for the real call (``tests/test_bench.py``,
+        ``tests/test_gram_newton_schulz.py``).
 
     Raises:
-        ValueError: a bad ``shape`` (fewer than 2 sizes, a size < 1), ``steps`` or ``coefficients``.
+        ValueError: a bad ``shape`` (fewer than 2 sizes, a size < 1), ``steps``, ``coefficients``,
+            ``algorithm`` or ``restarts``.
     """
     dims = _shape(shape)
     schedule = ns_schedule(coefficients, steps)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"Invalid algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    restart_at = check_restarts(restarts)
     m, n = sorted(dims[-2:])
     batch = math.prod(dims[:-2])
-    per_step = [4 * m * m * n + (2 * m ** 3 if c != 0 else 0) for _, _, c in schedule]
-    return batch * sum(per_step)
+    if algorithm == "standard":
+        return batch * sum(4 * m * m * n + (2 * m ** 3 if c != 0 else 0) for _, _, c in schedule)
+    total = 2 * m * m * n + 2 * m * m * n                      # R = X X^T at the start, Q X at the end
+    for t, (_, _, c) in enumerate(schedule):
+        if t in restart_at:
+            total += 4 * m * m * n
+        total += 2 * m ** 3 if c != 0 else 0
+        total += 2 * m ** 3 if t > 0 and t not in restart_at else 0
+        total += 4 * m ** 3 if t < len(schedule) - 1 and t + 1 not in restart_at else 0
+    return batch * total
 
 
 def transformer_muon_shapes(width: int, depth: int, mlp_ratio: float = 4.0) -> list[tuple[int, int]]:
@@ -163,7 +182,7 @@ def ns_overhead(width: int, depth: int, batch_tokens: int, dp: int = 1, *, shard
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float64": torch.float64}
 _CPU_SHAPES = "64x64,64x256,128x512"
-_PATHS = ("plain", "batched", "symmetric")
+_PATHS = ("plain", "batched", "symmetric", "gram")
 _SYMMETRIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _GPU_SHAPES = "1024x1024,1024x4096,4096x4096,4096x16384"
 
@@ -255,7 +274,9 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     :func:`optbook.kernels.gram_xxt` (tiles on and below the diagonal only; its ``fraction_of_matmul`` is
     the Gram step's speed-up over ``bmm``, as it is credited the full ``2 k^2 l``), and ``"symmetric"``,
     the batched call with ``gram="symmetric"``. Both only for float16/bfloat16/float32; on a CPU they time
-    torch's products unless ``TRITON_INTERPRET=1`` (:func:`optbook.kernels.gram_backend`).
+    torch's products unless ``TRITON_INTERPRET=1`` (:func:`optbook.kernels.gram_backend`). ``"gram"``: the
+    batched call with ``algorithm="gram"`` (Gram Newton–Schulz, default restarts), credited its own
+    :func:`ns_flops`; its speed-up over the standard iteration is the ratio of the two ``seconds``.
 
     Args:
         shapes: ``(m, n)`` pairs. dtypes: names, keys of ``bfloat16 float16 float32 float64``.
@@ -263,7 +284,7 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
         repeat: timed runs per measurement after one warm-up; the median is kept.
         device: where to run (CUDA timings are synchronised). seed: of the Gaussian inputs.
         progress: called with each result dict as it is measured (``None``: silent).
-        paths: of ``"plain"``, ``"batched"``, ``"symmetric"`` (the matmul row is always measured).
+        paths: of ``"plain"``, ``"batched"``, ``"symmetric"``, ``"gram"`` (the matmul row is always measured).
 
     Raises:
         ValueError: an unknown dtype name or path, ``batch`` or ``repeat`` below 1, a bad ``steps`` or
@@ -318,14 +339,17 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
             calls = {"plain": lambda: [newton_schulz(g, steps, coefficients, dtype=dtype) for g in G],
                      "batched": lambda: newton_schulz(G, steps, coefficients, dtype=dtype),
                      "symmetric": lambda: newton_schulz(G, steps, coefficients, dtype=dtype,
-                                                        gram="symmetric")}
+                                                        gram="symmetric"),
+                     "gram": lambda: newton_schulz(G, steps, coefficients, dtype=dtype, algorithm="gram")}
             for path, fn in calls.items():
                 if path not in paths or (path == "symmetric" and dtype not in _SYMMETRIC_DTYPES):
                     continue
                 seconds = measure(fn, repeat)
-                tflops = flops / seconds / 1e12
-                error = orthogonality_error(fn()) if path in ("batched", "symmetric") else None
-                add(shape=[m, n], batch=batch, dtype=name, path=path, seconds=seconds, flops=flops,
+                path_flops = ns_flops((batch, m, n), steps, coefficients, algorithm="gram") if path == "gram" \
+                    else flops
+                tflops = path_flops / seconds / 1e12
+                error = orthogonality_error(fn()) if path != "plain" else None
+                add(shape=[m, n], batch=batch, dtype=name, path=path, seconds=seconds, flops=path_flops,
                     tflops=tflops, matmul_tflops=mm_tflops, fraction_of_matmul=tflops / mm_tflops,
                     orthogonality_error=error)
     return rows

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["COEFFICIENTS", "newton_schulz", "ns_schedule", "polar_factor"]
+__all__ = ["ALGORITHMS", "COEFFICIENTS", "GRAM_RESTARTS", "PRECONDITIONERS", "check_restarts", "newton_schulz",
+           "ns_schedule", "optimal_odd_quintic", "polar_express_band", "polar_express_coefficients", "polar_factor"]
 
 SIMPLE = (3.4445, -4.7750, 2.0315)
 CUBIC = (1.5, -0.5, 0.0)
@@ -113,28 +114,138 @@ def _column_major(Y: torch.Tensor) -> torch.Tensor:
     return Y.mT.contiguous().mT
 
 
+#: The iterations :func:`newton_schulz` runs (its ``algorithm``).
+ALGORITHMS = ("standard", "gram")
+#: The preconditioners :func:`newton_schulz` applies before its first step (its ``precondition``).
+PRECONDITIONERS = (None, "aol")
+#: Where Gram Newton–Schulz restarts by default: before steps 1 and 3 (0-based). Dao-AILab's
+#: ``GramNewtonSchulz`` defaults to ``[2]`` (one restart, tuned for float16); measured here
+#: (``tests/test_gram_newton_schulz.py``; 30 spectra down to 1e-4..1e-5, m = 16, 32, 64, aspect 4, 5 steps
+#: of simple, quintic or polar_express), ``(2,)`` leaves errors up to 4x the standard iteration's in bfloat16
+#: (and 2.5x in float16), ``(2, 4)`` up to 1.9x in float16, ``(1, 3)`` within 1.1x in both.
+GRAM_RESTARTS = (1, 3)
+
+
+def check_restarts(restarts) -> frozenset[int]:
+    """The set of Gram restart step indices in ``restarts`` (see :func:`newton_schulz`).
+
+    Raises:
+        ValueError: ``restarts`` is not a sequence of ints ``>= 1``.
+    """
+    try:
+        values = tuple(restarts)
+    except TypeError:
+        raise ValueError(f"Invalid restarts: expected a sequence of step indices >= 1, got {restarts!r}") from None
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in values):
+        raise ValueError(f"Invalid restarts: expected step indices (ints >= 1; step 0 starts from X itself), "
+                         f"got {restarts!r}")
+    return frozenset(values)
+
+
+def _aol(X: torch.Tensor, A: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AOL rescaling: ``D X`` and ``D A D`` with ``D = diag(1 / sqrt(sum_j |A_ij|))`` and ``A = X X^T``.
+
+    ``||D X||_2 <= 1`` for any ``X`` (Prach & Lampert 2022, *Almost-Orthogonal Layers*, Thm. 1: the
+    row sums of ``|D A D|`` are at most 1, so its spectral norm is too). The scales are computed in at
+    least float32 and each result is rounded once to ``X``'s dtype. A zero row keeps a zero scale
+    product (its sum is floored at ``eps``).
+    """
+    work = torch.promote_types(A.dtype, torch.float32)
+    s = A.to(work).abs().sum(dim=-1).clamp_min(eps).rsqrt()              # (batch, m)
+    X = (X.to(work) * s.unsqueeze(-1)).to(X.dtype)
+    A = (A.to(work) * s.unsqueeze(-1) * s.unsqueeze(-2)).to(A.dtype)
+    return X, A
+
+
+def _standard_iteration(X, schedule, xxt, poly, right, A=None):
+    """``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, per triple; ``A``, when given, is step 0's."""
+    for i, (a, b, c) in enumerate(schedule):
+        if i > 0 or A is None:
+            A = xxt(X)
+        X = torch.baddbmm(X, poly(A, b, c), right(X), beta=a)            # a X + B X
+    return X
+
+
+def _gram_iteration(X, schedule, restart_at, xxt, poly, right, R=None):
+    """Gram Newton–Schulz: iterate on ``R = X X^T`` and ``Q`` (``X_k = Q X_0``), restarting at ``restart_at``.
+
+    With ``h_t(R) = a_t I + b_t R + c_t R^2`` the standard step is ``X_{t+1} = h_t(X_t X_t^T) X_t``, so
+    ``X_t = Q_t X_0`` with ``Q_{t+1} = Q_t h_t(R_t)`` and ``R_{t+1} = h_t(R_t) R_t h_t(R_t)`` (``h_t(R_t)``
+    and ``R_t`` commute, both being polynomials in ``R_0``). Only ``m x m`` products remain inside the
+    loop; ``X`` is touched again at a restart (``X <- Q X``, ``R <- X X^T``, ``Q <- I``) and at the end.
+    """
+    if R is None:
+        R = xxt(X)
+    Q = None                                    # None stands for the identity
+    last = len(schedule) - 1
+    for i, (a, b, c) in enumerate(schedule):
+        if i in restart_at:                     # i >= 1, so Q holds at least one step
+            X = torch.bmm(Q, right(X))
+            R, Q = xxt(X), None
+        Z = poly(R, b, c)                                                 # b R + c R^2
+        if i < last and i + 1 not in restart_at:
+            RZ = torch.baddbmm(R, R, right(Z), beta=a)                    # R Z + a R = R h(R)
+            R = torch.baddbmm(RZ, Z, right(RZ), beta=a)                   # Z RZ + a RZ = h(R) R h(R)
+        if Q is None:
+            Q = Z
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)                          # h(R) = Z + a I (Z is fresh)
+        else:
+            Q = torch.baddbmm(Q, Q, right(Z), beta=a)                     # Q Z + a Q = Q h(R)
+    return torch.bmm(Q, right(X))
+
+
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence = "simple", eps: float = 1e-7,
-                  dtype: torch.dtype = torch.bfloat16, gram: str = "plain") -> torch.Tensor:
+                  dtype: torch.dtype = torch.bfloat16, gram: str = "plain", *, algorithm: str = "standard",
+                  restarts: Sequence[int] = GRAM_RESTARTS, precondition: str | None = None) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` by ``steps`` Newton–Schulz iterations.
 
     Args:
         G: ``(..., m, n)`` floating tensor; leading dimensions are a batch (one matrix each).
         steps: number of iterations (``>= 1``).
         coefficients: ``"simple"``, ``"quintic"``, ``"deepseek_v4"``, ``"cubic"``, ``"polar_express"``
-            or a sequence of ``(a, b, c)`` (see :func:`ns_schedule`).
+            or a sequence of ``(a, b, c)`` (see :func:`ns_schedule`; :func:`polar_express_coefficients`
+            computes Polar Express schedules for other step counts and lower bounds).
         eps: floor of the normaliser: ``X = G / max(||G||_F, eps)`` (per matrix), so the result is
             scale invariant for ``||G||_F >= eps`` and a zero matrix maps to zeros, never NaN.
         dtype: dtype of the iteration (bf16 by default, as in Muon; float64 for exactness demos).
             The normalisation runs in at least float32 *before* the cast, so a gradient of size
             ~1e5 cannot overflow a low-precision dtype.
-        gram: how the two symmetric products of a step are formed. ``"plain"`` (default): torch's
+        gram: how the symmetric products are formed. ``"plain"`` (default): torch's
             ``X @ X.mT`` and ``torch.baddbmm``. ``"symmetric"``: :func:`optbook.kernels.gram_xxt` and
             :func:`optbook.kernels.gram_poly`, Triton kernels that compute only the tiles on and below
             the diagonal (chapter 15); on a CPU tensor they run only under ``TRITON_INTERPRET=1`` and
             otherwise fall back to torch's products (see :func:`optbook.kernels.gram_backend`). Needs a
             float16, bfloat16 or float32 ``dtype``, and no autograd (the kernels have no backward: call
             it under ``torch.no_grad()``, as an optimizer step does). Same mathematics; the roundings
-            differ.
+            differ. With ``algorithm="gram"`` it forms ``R = X X^T`` and ``b R + c R^2``.
+        algorithm: ``"standard"`` (default): ``X <- a X + (b A + c A^2) X`` on the ``m x n`` matrix
+            (``m <= n`` after the transpose of a tall input), ``4 m^2 n + 2 m^3`` FLOPs a step.
+            ``"gram"``: Gram Newton–Schulz (Zhang, Amsel, Chen & Dao 2026), the same polynomial in exact
+            arithmetic, iterated on the ``m x m`` Gram matrix ``R = X X^T`` and an accumulated ``Q``
+            with ``X_k = Q X``: ``O(m^3)`` per step plus ``2 m^2 n`` at the start, at each restart
+            (twice) and at the end (:func:`optbook.bench.ns_flops`): 5 steps with the default restarts cost
+            ``12 m^2 n + 22 m^3`` against ``20 m^2 n + 10 m^3``, fewer FLOPs for aspect ratios ``n / m``
+            above 1.5, 1.29x fewer at ``n = 4 m``, 1.44x at ``n = 8 m`` (one restart, ``(2,)``: 1.5x, 1.85x).
+        restarts: ``algorithm="gram"`` only: step indices (ints ``>= 1``) before which the Gram
+            iteration restarts from ``X <- Q X``, ``R <- X X^T``, ``Q <- I`` (default ``(1, 3)``; indices
+            at or past ``steps`` have no effect, ``()`` never restarts; see :data:`GRAM_RESTARTS`). In
+            float16/bfloat16, ``R`` is updated as ``h(R) R h(R)``; its rounding errors (about ``u ||R||``, ``u`` the unit roundoff)
+            swamp eigenvalues below that size and can turn them *negative*, and the polynomials, built
+            for ``[0, 1]``, grow a negative eigenvalue at every step instead of pulling it to 1: the
+            output gains singular values far above 1 (``tests/test_gram_newton_schulz.py`` shows it on
+            singular values down to 1e-4). A restart recomputes ``R`` from ``X``, PSD to rounding, after
+            the first steps have lifted the small singular values above the rounding level.
+        precondition: ``None`` (default) or ``"aol"``: before the first step, rescale the rows of the
+            wide orientation, ``X <- D X`` with ``D = diag(1 / sqrt(sum_j |(X X^T)_ij|))`` (AOL, Prach &
+            Lampert 2022; Boissin et al. 2025, *Turbo-Muon*, arXiv:2512.04632, sec. 3), which bounds
+            ``||D X||_2 <= 1`` and pushes the small singular values up, so a schedule may start one step
+            later (Turbo-Muon drops the first quintic triple; do so: ``||D X||_2`` may sit at 1, where
+            a schedule's aggressive first polynomial is steep, and in bfloat16 a value rounded just past 1
+            is flung far above it: measured 1.53 for the five ``"polar_express"`` triples). The product ``X X^T`` is reused as step 0's
+            ``A`` (or as the Gram ``R``), so AOL adds no matrix product. *Different mathematics*: the
+            result is ``U' phi(S') V'^T`` for the SVD of ``D X``, an approximation of the polar factor
+            of ``D X``, not of ``X`` (equal when the rows of ``X`` are orthogonal). After the Frobenius
+            normalisation, which keeps float16 from overflowing and leaves ``D X`` unchanged.
 
     Returns:
         A tensor of ``G``'s shape and dtype: ``U phi_k(S) V^T`` where ``phi_k`` composes the
@@ -142,9 +253,17 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
 
     Raises:
         ValueError: ``G`` has fewer than 2 dimensions, ``eps <= 0``, a bad ``steps``/``coefficients``, an
-            unknown ``gram``, or ``gram="symmetric"`` with a ``dtype`` other than float16/bfloat16/float32
-            or with a ``G`` that requires grad while grad mode is on.
+            unknown ``gram``, ``algorithm`` or ``precondition``, bad ``restarts``, or ``gram="symmetric"``
+            with a ``dtype`` other than float16/bfloat16/float32 or with a ``G`` that requires grad while
+            grad mode is on.
         TypeError: ``G`` is not a real floating-point tensor.
+
+    Sources: Gram Newton–Schulz and its restart: Dao-AILab/gram-newton-schulz at commit f08f25e
+    (``gram_newton_schulz/gram_newton_schulz.py``, README's algorithm box), the implementation
+    microsoft/dion at commit 0a059a4 selects with ``use_gram_newton_schulz=True``
+    (``dion/megabatch_base.py``), also merged into DeepSpeed (deepspeedai/DeepSpeed#7953). AOL:
+    Turbo-Muon's reference code, thib-s/flash-newton-schulz ``newton_schulz_triton.py`` (``NS_ours``).
+    The code here is our own.
     """
     schedule = ns_schedule(coefficients, steps)
     if gram not in ("plain", "symmetric"):
@@ -154,6 +273,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     if gram == "symmetric" and isinstance(G, torch.Tensor) and G.requires_grad and torch.is_grad_enabled():
         raise ValueError("Invalid gram: 'symmetric' has no backward and G requires grad; call under "
                          "torch.no_grad() (as an optimizer step does) or pass G.detach()")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"Invalid algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    if precondition not in PRECONDITIONERS:
+        raise ValueError(f"Invalid precondition: expected one of {PRECONDITIONERS}, got {precondition!r}")
+    restart_at = check_restarts(restarts)
     if not isinstance(G, torch.Tensor) or not G.is_floating_point():
         raise TypeError(f"Invalid G: expected a real floating-point tensor, got "
                         f"{getattr(G, 'dtype', type(G).__name__)}")
@@ -170,19 +294,29 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
         X = X.mT
     X = X.reshape(-1, *X.shape[-2:]).contiguous()  # one batch dimension for baddbmm, rows in memory
     right = _column_major if X.device.type == "cpu" and X.dtype in (torch.bfloat16, torch.float16) else _same
-    if gram == "symmetric":
-        from .kernels import gram_poly, gram_xxt   # Triton is imported on the first kernel launch only
-        A, B = (torch.empty(*X.shape[:-1], X.shape[-2], dtype=X.dtype, device=X.device) for _ in range(2))
-    for a, b, c in schedule:
-        if gram == "symmetric":   # the tiles on and below the diagonal, mirrored; b A + c A^2 in one kernel
-            gram_xxt(X, out=A)
-            B = gram_poly(A, b, c, out=B) if c != 0 else b * A
-        else:
-            A = X @ X.mT
+    if gram == "symmetric":   # the tiles on and below the diagonal, mirrored; b A + c A^2 in one kernel
+        from .kernels import gram_poly, gram_xxt  # Triton is imported on the first kernel launch only
+
+        def xxt(Y):
+            return gram_xxt(Y)
+
+        def poly(A, b, c):
+            return gram_poly(A, b, c) if c != 0 else b * A
+    else:
+        def xxt(Y):
+            return Y @ Y.mT
+
+        def poly(A, b, c):
             # fused multiply-adds: one rounding each, which matters in bf16 (b A and c A^2 nearly cancel)
             # (c == 0, the cubic: torch 2.13's CPU baddbmm with alpha=0 ignores beta in bf16/fp16 for n >= 32)
-            B = torch.baddbmm(A, A, right(A), beta=b, alpha=c) if c != 0 else b * A   # b A + c A^2
-        X = torch.baddbmm(X, B, right(X), beta=a)            # a X + B X
+            return torch.baddbmm(A, A, right(A), beta=b, alpha=c) if c != 0 else b * A
+    A = None
+    if precondition == "aol":
+        X, A = _aol(X, xxt(X), eps)
+    if algorithm == "gram":
+        X = _gram_iteration(X, schedule, restart_at, xxt, poly, right, A)
+    else:
+        X = _standard_iteration(X, schedule, xxt, poly, right, A)
     X = X.reshape(*G.shape[:-2], *X.shape[-2:])
     if tall:
         X = X.mT
@@ -214,3 +348,151 @@ def polar_factor(G: torch.Tensor) -> torch.Tensor:
     tol = max(G.shape[-2:]) * torch.finfo(work.dtype).eps * S[..., :1]
     keep = (S > tol).to(work.dtype)
     return ((U * keep.unsqueeze(-2)) @ Vh).to(G.dtype)
+
+
+# ---------------------------------------------------------------- Polar Express coefficients
+
+#: The lower bound on the normalised singular values the published 5-step schedule was built for.
+POLAR_EXPRESS_LOWER_BOUND = 1e-3
+#: Its cushion (modded-nanogpt's comment says "cushion=2", i.e. 2 %): each step's polynomial is fitted
+#: on ``[max(l, 0.02 u), u]``, not on ``[l, u]``, and then rescaled about 1 (see
+#: :func:`polar_express_coefficients`).
+POLAR_EXPRESS_CUSHION = 0.02
+
+
+def _solve4(M: list[list[float]], y: list[float]) -> list[float]:
+    """``M x = y`` for a 4 x 4 system by Gaussian elimination with partial pivoting (float64)."""
+    A = [row[:] + [v] for row, v in zip(M, y)]
+    for k in range(4):
+        p = max(range(k, 4), key=lambda i: abs(A[i][k]))
+        A[k], A[p] = A[p], A[k]
+        for i in range(k + 1, 4):
+            f = A[i][k] / A[k][k]
+            A[i] = [x - f * z for x, z in zip(A[i], A[k])]
+    x = [0.0] * 4
+    for k in range(3, -1, -1):
+        x[k] = (A[k][4] - sum(A[k][j] * x[j] for j in range(k + 1, 4))) / A[k][k]
+    return x
+
+
+def _odd_quintic(abc, x: float) -> float:
+    a, b, c = abc
+    return a * x + b * x ** 3 + c * x ** 5
+
+
+def optimal_odd_quintic(lower: float, upper: float, max_iters: int = 100) -> tuple[float, float, float]:
+    """The odd quintic ``p(x) = a x + b x^3 + c x^5`` closest to 1 on ``[lower, upper]`` in the max norm.
+
+    Remez exchange (Amsel et al. 2025, arXiv:2505.16932, sec. 4 and their ``optimal_quintic``): the
+    minimax error ``E`` is attained with alternating signs at ``lower``, the two positive critical
+    points ``q < r`` of ``p`` and ``upper``; solve the 4 x 4 linear system ``p(x_i) + (-1)^i E = 1`` for
+    ``(a, b, c, E)`` at the current points, move ``q, r`` to the roots of ``p'(x) = a + 3 b x^2 +
+    5 c x^4``, repeat until ``E`` changes by less than 1e-15. Within a relative width of 5e-6 the
+    answer is the limit ``p(x) = (15 t - 10 t^3 + 3 t^5) / 8``, ``t = x / upper``.
+
+    Raises:
+        ValueError: not ``0 <= lower <= upper``, ``upper <= 0``.
+        RuntimeError: the exchange does not converge in ``max_iters`` rounds.
+    """
+    lower, upper = float(lower), float(upper)
+    if not (math.isfinite(lower) and math.isfinite(upper) and 0 <= lower <= upper and upper > 0):
+        raise ValueError(f"Invalid interval: expected 0 <= lower <= upper, upper > 0, got [{lower}, {upper}]")
+    if lower / upper >= 1 - 5e-6:
+        return 15 / 8 / upper, -10 / 8 / upper ** 3, 3 / 8 / upper ** 5
+    q, r = (3 * lower + upper) / 4, (lower + 3 * upper) / 4   # exact in the limit lower -> upper
+    error = math.inf
+    for _ in range(max_iters):
+        rows = [[x, x ** 3, x ** 5, sign] for x, sign in ((lower, 1.0), (q, -1.0), (r, 1.0), (upper, -1.0))]
+        a, b, c, new_error = _solve4(rows, [1.0] * 4)
+        disc = 9 * b * b - 20 * a * c
+        if c == 0 or disc < 0:
+            break
+        roots = sorted(((-3 * b - sgn * math.sqrt(disc)) / (10 * c)) for sgn in (1.0, -1.0))
+        if roots[0] <= 0:
+            break
+        q, r = math.sqrt(roots[0]), math.sqrt(roots[1])
+        converged = abs(new_error - error) <= 1e-15
+        error = new_error
+        if converged:
+            return float(a), float(b), float(c)
+    raise RuntimeError(f"optimal_odd_quintic: the Remez exchange did not converge on [{lower}, {upper}]")
+
+
+def _polar_express(steps, lower_bound, safety, cushion):
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"Invalid steps: expected an int >= 1, got {steps!r}")
+    if not (isinstance(lower_bound, (int, float)) and 0 < lower_bound <= 1):
+        raise ValueError(f"Invalid lower_bound: expected a number in (0, 1], got {lower_bound!r}")
+    if not (isinstance(safety, (int, float)) and math.isfinite(safety) and safety >= 1):
+        raise ValueError(f"Invalid safety: expected a finite number >= 1 (1 is none), got {safety!r}")
+    if not (isinstance(cushion, (int, float)) and 0 <= cushion < 1):
+        raise ValueError(f"Invalid cushion: expected a number in [0, 1), got {cushion!r}")
+    low, up = float(lower_bound), 1.0
+    schedule = []
+    for i in range(steps):
+        abc = optimal_odd_quintic(max(low, cushion * up), up)
+        # centre on 1 over [low, up]: 1 - k p(low) = k p(up) - 1 (k = 1 unless the cushion was active)
+        k = 2 / (_odd_quintic(abc, low) + _odd_quintic(abc, up))
+        a, b, c = (k * v for v in abc)
+        if i < steps - 1:   # p(x / safety): headroom for values rounding pushed above `up`
+            a, b, c = a / safety, b / safety ** 3, c / safety ** 5
+        schedule.append((a, b, c))
+        low = _odd_quintic((a, b, c), low)
+        up = 2 - low
+    return tuple(schedule), (low, up)
+
+
+def polar_express_coefficients(steps: int = 5, lower_bound: float = POLAR_EXPRESS_LOWER_BOUND,
+                               safety: float = POLAR_EXPRESS_SAFETY, *, cushion: float = POLAR_EXPRESS_CUSHION,
+                               input_scale: float = 1.0) -> tuple[tuple[float, float, float], ...]:
+    """The Polar Express schedule: one minimax odd quintic per step, for any ``steps`` and ``lower_bound``.
+
+    The greedy procedure of Amsel, Persson, Musco & Gower (2025), *The Polar Express*
+    (arXiv:2505.16932, sec. 4.1, Alg. 2 and App. G): start from ``[l, u] = [lower_bound, 1]``, the range
+    of the normalised singular values; at each step take :func:`optimal_odd_quintic` on
+    ``[max(l, cushion u), u]`` (the cushion keeps the first polynomials from becoming too steep when
+    ``l`` is tiny), rescale it so that ``p(l)`` and ``p(u)`` lie symmetrically about 1, divide its input
+    by ``safety`` on every step but the last (``p(x / safety)``: values that rounding pushed a little
+    above ``u`` are not flung far past 1), then map the interval: ``l <- p(l)``, ``u <- 2 - l``.
+
+    Defaults reproduce :data:`POLAR_EXPRESS_PUBLISHED` (lower bound 1e-3, cushion 0.02, safety 1.02) to
+    ~1e-14; ``input_scale=POLAR_EXPRESS_SAFETY`` folds the published code's ``1 / (1.02 ||G||_F)``
+    normalisation into the first triple and gives :data:`POLAR_EXPRESS`. ``safety=1, cushion=0.024073...``
+    gives Dao-AILab's ``_unmodified_polar_express_coefficients`` (gram-newton-schulz at f08f25e,
+    ``coefficients.py``).
+
+    Args:
+        steps: number of polynomials (int >= 1).
+        lower_bound: the smallest singular value to bring up, after ``G / ||G||_F`` (in ``(0, 1]``).
+        safety: input scale of every polynomial but the last (``>= 1``; 1 is none).
+        cushion: relative floor of the fitting interval (``[0, 1)``; 0 is none).
+        input_scale: the first polynomial is applied to ``x / input_scale`` (``> 0``): for an input
+            normalised by ``input_scale ||G||_F`` instead of ``||G||_F``.
+
+    Returns:
+        ``steps`` triples ``(a, b, c)`` (floats), for :func:`newton_schulz`'s ``coefficients``.
+
+    Raises:
+        ValueError: an argument out of its range, naming it.
+    """
+    if not (isinstance(input_scale, (int, float)) and math.isfinite(input_scale) and input_scale > 0):
+        raise ValueError(f"Invalid input_scale: expected a finite number > 0, got {input_scale!r}")
+    schedule, _ = _polar_express(steps, lower_bound, safety, cushion)
+    (a, b, c), s = schedule[0], float(input_scale)
+    return ((a / s, b / s ** 3, c / s ** 5),) + schedule[1:]
+
+
+def polar_express_band(steps: int = 5, lower_bound: float = POLAR_EXPRESS_LOWER_BOUND,
+                       safety: float = POLAR_EXPRESS_SAFETY, *,
+                       cushion: float = POLAR_EXPRESS_CUSHION) -> tuple[float, float]:
+    """The band ``[l, u]`` that :func:`polar_express_coefficients`'s schedule maps ``[lower_bound, 1]`` into.
+
+    ``l`` is the image of ``lower_bound`` (attained) and ``u = 2 - l`` an upper bound: each step's
+    polynomial is equioscillating (or recentred) on its interval, so its maximum there is at most
+    ``2 - p(l)``, and ``p(x / safety) <= max p`` on the same interval. Exact arithmetic; a float64
+    evaluation agrees to ~1e-15 (``tests/test_polar_express_solver.py``).
+
+    Raises:
+        ValueError: as :func:`polar_express_coefficients`.
+    """
+    return _polar_express(steps, lower_bound, safety, cushion)[1]

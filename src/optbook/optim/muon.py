@@ -39,6 +39,10 @@ SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 #: How Newton–Schulz forms its symmetric products (``newton_schulz``'s ``gram``).
 GRAMS = ("plain", "symmetric")
+#: Which Newton–Schulz iteration Muon runs (``ns_algorithm``); ``"auto"``: Gram Newton–Schulz for blocks of
+#: aspect ratio ``>= GRAM_ASPECT`` (5 steps: 1.29x fewer FLOPs at 4:1, 1.44x at 8:1), the standard one otherwise.
+NS_ALGORITHMS = ("standard", "gram", "auto")
+GRAM_ASPECT = 4
 
 
 def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
@@ -116,14 +120,15 @@ def exact_rescale(D: torch.Tensor) -> torch.Tensor:
 def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
-         ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain") -> None:
+         ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
+         ns_algorithm: str = "standard") -> None:
     """Apply one Muon step in place (the pure function behind :class:`Muon`).
 
     Args:
         params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
             parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
-            eps, ns_dtype, head_split, gram: as in :class:`Muon`; not re-validated here.
+            eps, ns_dtype, head_split, gram, ns_algorithm: as in :class:`Muon`; not re-validated here.
 
     Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call; a block
     whose shape no other block shares is passed as it is (no stack), and every orthogonalised block is
@@ -142,8 +147,10 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
             by_shape[tuple(b.shape)].append((i, j))
     for shape, where in by_shape.items():
         batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
+        algorithm = ns_algorithm if ns_algorithm != "auto" else (
+            "gram" if max(shape) >= GRAM_ASPECT * min(shape) else "standard")
         O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
-                          dtype=ns_dtype, gram=gram)
+                          dtype=ns_dtype, gram=gram, algorithm=algorithm)
         O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
         for k, (i, j) in enumerate(where):
             blocks[i][j] = O if len(where) == 1 else O[k]
@@ -178,6 +185,9 @@ class Muon(BookOptimizer):
             :mod:`optbook.kernels`, which compute only the tiles on and below the diagonal; on a CPU
             they run under ``TRITON_INTERPRET=1`` and otherwise fall back to torch's products;
             chapter 15). ``"symmetric"`` needs ``ns_dtype`` float16, bfloat16 or float32.
+        ns_algorithm: ``"standard"`` (default), ``"gram"`` (Gram Newton–Schulz with its default restarts,
+            :func:`optbook.newton_schulz`'s ``algorithm``: the same polynomials, other roundings) or
+            ``"auto"`` (Gram for blocks with aspect ratio ``>= 4``, such as an MLP's 4d x d matrices).
 
     Blocks of equal shape across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
@@ -187,7 +197,7 @@ class Muon(BookOptimizer):
             ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
             rows (also when a group's ``head_split`` is edited later: checked at every step), or a
             non-finite gradient (raised before anything changes: skip such a step, chapter 11); an
-            unknown ``gram``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
+            unknown ``gram`` or ``ns_algorithm``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
@@ -199,11 +209,12 @@ class Muon(BookOptimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
-                 ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain"):
+                 ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
+                 ns_algorithm: str = "standard"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
-                        head_split=head_split, gram=gram)
+                        head_split=head_split, gram=gram, ns_algorithm=ns_algorithm)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -231,6 +242,8 @@ class Muon(BookOptimizer):
                             f"supports), got {group['ns_dtype']!r}")
         if group["gram"] not in GRAMS:
             raise ValueError(f"Invalid gram: expected one of {GRAMS}, got {group['gram']!r}")
+        if group["ns_algorithm"] not in NS_ALGORITHMS:
+            raise ValueError(f"Invalid ns_algorithm: expected one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}")
         if group["gram"] == "symmetric" and group["ns_dtype"] == torch.float64:
             raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
                              "torch.float64 (the Triton kernels have no float64 path)")
@@ -247,4 +260,5 @@ class Muon(BookOptimizer):
              lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
-             ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"])
+             ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],
+             ns_algorithm=group["ns_algorithm"])
