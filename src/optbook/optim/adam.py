@@ -135,6 +135,10 @@ class _AdamBase(BookOptimizer):
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
 
+    def _expected_state(self, p, group):
+        like = (tuple(p.shape), p.dtype)
+        return {"exp_avg": (*like, True), "exp_avg_sq": (*like, True), "max_exp_avg_sq": (*like, False)}
+
     def _prepare_group(self, group: dict, skip_empty: bool = False) -> tuple[list, list, list, list, list]:
         """Create missing state and advance the step count of every parameter of ``group`` with a gradient
         (and, with ``skip_empty``, at least one element). Returns ``(params, exp_avgs, exp_avg_sqs, steps,
@@ -190,7 +194,9 @@ _ARGS_DOC = """
 
     Raises:
         ValueError: ``lr < 0``, a beta outside ``[0, 1)``, ``eps <= 0``, ``weight_decay < 0``,
-            non-finite values; a gradient of another shape or device.
+            non-finite values; a gradient of another shape or device; a gradient holding ``inf``/``NaN``
+            (:class:`~optbook.contract.NonFiniteGradientError`, nothing written: ``torch.optim`` writes
+            the NaN into the weights instead).
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
             ``amsgrad`` or ``maximize`` not a bool, ``foreach`` not ``None``/``True``/``False``.
 """
