@@ -198,22 +198,22 @@ class BookOptimizer(torch.optim.Optimizer):
                 state = state_dict["state"].get(index)
                 if not state:
                     continue
-                where = f"state[{index!r}] (param_groups[{gi}]['params'][{pi}], shape {tuple(p.shape)})"
+                of = f"(param_groups[{gi}]['params'][{pi}], shape {tuple(p.shape)})"
                 if not isinstance(state, dict):
-                    raise TypeError(f"Invalid state_dict: {where} is a {type(state).__name__}, expected a dict")
+                    raise TypeError(f"Invalid state_dict: state[{index!r}] {of} is a {type(state).__name__}, "
+                                    "expected a dict")
                 for key, (shape, dtype, required) in self._expected_state(p, merged).items():
                     value = state.get(key)
+                    where = f"state[{index!r}][{key!r}] {of}"
                     if value is None:
                         if required:
-                            raise ValueError(f"Invalid state_dict: {where} has no {key!r}")
+                            raise ValueError(f"Invalid state_dict: state[{index!r}] {of} has no {key!r}")
                         continue
                     if not isinstance(value, torch.Tensor):
-                        raise TypeError(f"Invalid state_dict: {where}[{key!r}] is a {type(value).__name__}, "
-                                        "expected a tensor")
+                        raise TypeError(f"Invalid state_dict: {where} is a {type(value).__name__}, expected a tensor")
                     if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                        raise ValueError(f"Invalid state_dict: {where}[{key!r}] has shape {tuple(value.shape)} "
-                                         f"and dtype {value.dtype}; this optimizer keeps shape {tuple(shape)}, "
-                                         f"dtype {dtype}")
+                        raise ValueError(f"Invalid state_dict: {where} has shape {tuple(value.shape)} and dtype "
+                                         f"{value.dtype}; this optimizer keeps shape {tuple(shape)}, dtype {dtype}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict`` (from :meth:`state_dict`) into this optimizer, all or nothing.
