@@ -129,7 +129,7 @@ def _check(report, name, fn):
     try:
         fn()
         report[name] = "ok"
-    except Exception as e:  # reported, not raised: the test shows every failing check of a row
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the test shows every failing check of a row
         report[name] = f"FAILED: {type(e).__name__}: {e}"[:600] + ("" if isinstance(e, AssertionError) else
                                                                  "\n" + traceback.format_exc()[-600:])
 

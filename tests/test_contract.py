@@ -10,9 +10,9 @@ live in ``contract_workers.py`` (the launched processes import them by name).
 """
 
 import pytest
-
-import optbook.contract as contract
 from contract_workers import DISTRIBUTED, SINGLE_PROCESS, distributed_reports, row_report
+
+from optbook import contract
 from optbook.distributed import launch
 
 

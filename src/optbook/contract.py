@@ -65,8 +65,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CONTRACT", "COLUMNS", "ContractRow", "NonFiniteGradientError", "VersionTracker", "contract_table",
-           "elementwise", "owner_of", "register_owner", "scale_weights_"]
+__all__ = [
+    "COLUMNS",
+    "CONTRACT",
+    "ContractRow",
+    "NonFiniteGradientError",
+    "VersionTracker",
+    "contract_table",
+    "elementwise",
+    "owner_of",
+    "register_owner",
+    "scale_weights_",
+]
 
 
 class NonFiniteGradientError(ValueError, FloatingPointError):

@@ -33,6 +33,7 @@ import torch
 
 from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
+from .chained import ChainedOptimizer
 
 __all__ = ["CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_step"]
 
@@ -166,9 +167,8 @@ class CompiledStep:
 def _adam_members(optimizer) -> list:
     """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (chains and the
     mixed-precision wrapper looked into); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
-    from optbook.precision import MixedPrecisionOptimizer   # imported here: precision imports optbook.optim
+    from optbook.precision import MixedPrecisionOptimizer  # imported here: precision imports optbook.optim
 
-    from .chained import ChainedOptimizer
     if isinstance(optimizer, (Adam, AdamW)):
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
