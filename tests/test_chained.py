@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from optbook.contract import NonFiniteGradientError
 from optbook.optim import SGD, AdamW, ChainedOptimizer, Muon
 
 
@@ -123,26 +124,106 @@ def test_one_cycle_lr_with_momentum_cycling_drives_every_member():
     assert all(g["betas"][0] == 0.95 for g in same.param_groups)
 
 
-def test_nonfinite_gradient_in_any_member_skips_the_whole_step():
-    for bad in (float("inf"), float("nan")):
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_nonfinite_gradient_in_any_member_raises_naming_it_before_any_member_writes(max_grad_norm):
+    for bad, kind in ((float("inf"), "inf"), (float("nan"), "NaN")):
         matrices, vectors = problem()
-        opt = chain_of(matrices, vectors)
+        opt = chain_of(matrices, vectors, max_grad_norm=max_grad_norm)
         opt.step()
         vectors[0].grad[1] = bad  # in the second member: the first (Muon) must not step either
+        grads = [p.grad.clone() for p in matrices + vectors]
         before = snapshot(opt, matrices + vectors)
-        opt.step()
-        assert opt.found_inf and opt.skipped_steps == 1
+        norm = opt.last_grad_norm
+        with pytest.raises(NonFiniteGradientError, match=rf"param_groups\[1\]\['params'\]\[0\] .*{kind}"):
+            opt.step()
         assert_same(before, snapshot(opt, matrices + vectors))
+        assert all(torch.equal(p.grad.nan_to_num(), g.nan_to_num()) for p, g in zip(matrices + vectors, grads))   # gradients not clipped either
+        assert opt.last_grad_norm == norm and not opt.found_inf and opt.skipped_steps == 0
         vectors[0].grad[1] = 0.0
-        opt.step()
-        assert not opt.found_inf and not torch.equal(matrices[0].detach(), before[0][0])
+        assert opt.step() is None
+        assert not torch.equal(matrices[0].detach(), before[0][0])
     # a torch.optim member is covered by the same check
     matrices, vectors = problem()
     opt = ChainedOptimizer([Muon(matrices, ns_dtype=torch.float64), torch.optim.AdamW(vectors)])
     vectors[0].grad[0] = float("inf")
     before = snapshot(opt, matrices + vectors)
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[1\]"):
+        opt.step()
+    assert_same(before, snapshot(opt, matrices + vectors))
+
+
+def test_the_members_do_not_check_again_and_their_own_check_is_back_after_the_step():
+    matrices, vectors = problem()
+    muon, adamw = Muon(matrices, ns_dtype=torch.float64), AdamW(vectors)
+    opt = ChainedOptimizer([muon, adamw])
+    seen = []
+    for member in (muon, adamw):
+        member.register_step_pre_hook(lambda o, a, k: seen.append(o.refuse_nonfinite_grads))
     opt.step()
-    assert opt.found_inf
+    assert seen == [False, False] and muon.refuse_nonfinite_grads and adamw.refuse_nonfinite_grads
+    vectors[0].grad[0] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        adamw.step()   # stepped alone, a member checks for itself
+
+
+def test_step_returns_the_closures_loss_and_reports_the_norm_as_a_float():
+    matrices, vectors = problem()
+    opt = chain_of(matrices, vectors)
+    assert opt.last_grad_norm is None and opt.found_inf is False and opt.skipped_steps == 0
+    assert opt.step(lambda: torch.tensor(2.5)).item() == 2.5
+    total = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in matrices + vectors])).item()
+    assert isinstance(opt.last_grad_norm, float) and opt.last_grad_norm == pytest.approx(total, rel=1e-12)
+
+
+def _bad_chain_dicts(saved):
+    no_state = {"param_groups": saved["param_groups"]}
+    fewer_groups = {**saved, "param_groups": saved["param_groups"][:1]}
+    fewer_params = copy.deepcopy(saved)
+    fewer_params["param_groups"][0]["params"] = [0]
+    short = copy.deepcopy(saved)
+    short["state"][2]["exp_avg"] = short["state"][2]["exp_avg"][:2]       # the last member's state
+    wrong_dtype = copy.deepcopy(saved)
+    wrong_dtype["state"][0]["momentum_buffer"] = wrong_dtype["state"][0]["momentum_buffer"].float()
+    bad_lr = copy.deepcopy(saved)
+    bad_lr["param_groups"][1]["lr"] = -1.0
+    stray = copy.deepcopy(saved)
+    stray["state"][7] = {"momentum_buffer": torch.zeros(4, 3, dtype=torch.float64)}
+    missing = copy.deepcopy(saved)
+    del missing["state"][2]["exp_avg_sq"]
+    return [(no_state, ValueError, "no 'state'"), (fewer_groups, ValueError, "param_groups"),
+            (fewer_params, ValueError, "parameters"), (short, ValueError, r"exp_avg.*shape \(2,\).*member 1"),
+            (wrong_dtype, ValueError, r"momentum_buffer.*float32.*member 0"), (bad_lr, ValueError, "lr"),
+            (stray, ValueError, "no group lists"), (missing, ValueError, "exp_avg_sq"),
+            ([1, 2], TypeError, "dict")]
+
+
+def test_a_bad_load_raises_and_leaves_every_member_untouched():
+    matrices, vectors = problem()
+    opt = chain_of(matrices, vectors)
+    opt.step()
+    saved = opt.state_dict()
+    m2, v2 = problem(1)
+    other = chain_of(m2, v2)
+    other.step()
+    for bad, error, words in _bad_chain_dicts(saved):
+        before = snapshot(other, m2 + v2)
+        with pytest.raises(error, match=words):
+            other.load_state_dict(bad)
+        assert_same(before, snapshot(other, m2 + v2))
+    other.load_state_dict(saved)   # the good dict still loads
+    assert_same(snapshot(other, []), snapshot(opt, []))
+
+
+def test_a_bad_load_into_a_chain_with_a_torch_member_leaves_it_untouched():
+    matrices, vectors = problem()
+    opt = ChainedOptimizer([Muon(matrices, ns_dtype=torch.float64), torch.optim.AdamW(vectors)])
+    opt.step()
+    saved = opt.state_dict()
+    bad = copy.deepcopy(saved)
+    bad["state"][2]["exp_avg"] = torch.zeros(5, dtype=torch.float64)
+    before = snapshot(opt, matrices + vectors)
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\].*member 1"):
+        opt.load_state_dict(bad)
     assert_same(before, snapshot(opt, matrices + vectors))
 
 
@@ -165,6 +246,6 @@ def test_global_clip_is_one_norm_over_all_members():
     total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
     opt = ChainedOptimizer([SGD(matrices, lr=0.0), SGD(vectors, lr=0.0)], max_grad_norm=1.0)
     opt.step()
-    torch.testing.assert_close(opt.last_grad_norm, total, rtol=1e-12, atol=0)
+    assert opt.last_grad_norm == pytest.approx(float(total), rel=1e-12)
     for p, g in zip(matrices + vectors, grads):  # every member's gradients scaled by the same factor
         torch.testing.assert_close(p.grad, g / (float(total) + 1e-6), rtol=1e-12, atol=0)

@@ -2,7 +2,9 @@
 
 Reference: the eager ``optbook.optim.AdamW`` (itself tested against ``torch.optim.AdamW``). The tests
 marked ``compile`` run Inductor (one compilation, about 10-40 s on 2 CPU cores); the others check the
-capturable functional core eagerly, in float64, against :func:`optbook.optim.adam`.
+capturable functional core eagerly, in float64, against :func:`optbook.optim.adam`, and run the compiled
+path through Dynamo with ``backend="eager"`` (tracing, no code generation: seconds) to check that it is
+the optimizer's own ``step()`` (hooks, scheduler, chain member, mixed-precision inner optimizer).
 """
 
 import copy
@@ -10,7 +12,8 @@ import copy
 import pytest
 import torch
 
-from optbook.optim import SGD, Adam, AdamW, adam, adam_tensor, compiled_step
+from optbook.contract import NonFiniteGradientError
+from optbook.optim import SGD, Adam, AdamW, ChainedOptimizer, Muon, adam, adam_tensor, compiled_step
 
 
 @pytest.mark.parametrize("decoupled, amsgrad, maximize", [(True, False, False), (False, True, True),
@@ -45,23 +48,105 @@ def test_compiled_step_refuses_an_optimizer_it_does_not_know():
         compiled_step(SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
     with pytest.raises(TypeError, match="Invalid optimizer"):
         compiled_step(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]))
+    with pytest.raises(TypeError, match="no optbook.optim.Adam or AdamW in this ChainedOptimizer"):
+        compiled_step(ChainedOptimizer([SGD([torch.zeros(2, requires_grad=True)], lr=0.1)]))
 
 
 def test_a_bad_hyperparameter_raises_before_anything_is_written_or_compiled():
     p = torch.randn(4, 3, requires_grad=True)
     opt = Adam([p], lr=1e-2)
-    step = compiled_step(opt)
     p.grad = torch.randn(4, 3)
     opt.step()   # eager: state exists
+    step = compiled_step(opt)
     before, state = p.detach().clone(), copy.deepcopy(opt.state_dict())
     opt.param_groups[0]["lr"] = -1.0
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with pytest.raises(ValueError, match="lr"):
+        step()
+    opt.param_groups[0]["lr"] = 1e-2
+    p.grad[1, 2] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[0\]"):
         step()
     assert torch.equal(p.detach(), before)
     assert opt.state[p]["step"] == state["state"][0]["step"] == 1
     assert torch.equal(opt.state[p]["exp_avg"], state["state"][0]["exp_avg"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def _chain(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(6, 4, generator=g, dtype=dtype).requires_grad_()
+    b = torch.randn(4, generator=g, dtype=dtype).requires_grad_()
+    return [W, b], ChainedOptimizer([Muon([W], lr=0.02, ns_dtype=torch.float32), AdamW([b], lr=1e-2)])
+
+
+def _grads(params, k):
+    g = torch.Generator().manual_seed(100 + k)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def test_the_compiled_step_is_the_optimizers_step_hooks_scheduler_and_chain_included():
+    # backend="eager": Dynamo traces the kernel without generating code, so this runs in seconds; the
+    # Inductor path is the compile-marked test below. The chain's AdamW member runs the kernel inside
+    # its own step(); hooks of the chain and of the member run; the scheduler sees an optimizer step.
+    import warnings
+
+    params, chain = _chain()
+    ref_params, ref_chain = _chain()
+    step = compiled_step(chain, backend="eager")
+    adamw = chain.optimizers[1]
+    assert adamw.compiled is step and chain.optimizers[0].__class__.__name__ == "Muon"
+    assert step.optimizers == [adamw]
+    calls = []
+    chain.register_step_pre_hook(lambda o, a, k: calls.append("chain pre"))
+    chain.register_step_post_hook(lambda o, a, k: calls.append("chain post"))
+    adamw.register_step_post_hook(lambda o, a, k: calls.append("adamw post"))
+    runs = []
+    kernel = step.kernel
+    step.kernel = lambda *a, **k: (runs.append(1), kernel(*a, **k))[1]
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 10) for o in (chain, ref_chain)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # "lr_scheduler.step() before optimizer.step()" would fail here
+        for k in range(3):
+            _grads(params, k)
+            _grads(ref_params, k)
+            assert step(lambda: torch.tensor(1.5)).item() == 1.5
+            ref_chain.step()
+            for s in scheds:
+                s.step()
+    assert calls == ["chain pre", "adamw post", "chain post"] * 3
+    assert len(runs) == 3 and chain.optimizers[1].state[params[1]]["step"] == 3
+    for a, b, start in zip(params, ref_params, _chain()[0]):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+        assert float((a - start).detach().abs().max()) > 1e-3   # it moved
+
+
+def test_compiled_step_under_mixed_precision_steps_the_float32_masters():
+    from optbook.precision import MixedPrecisionOptimizer
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.randn(5, 3, generator=g).bfloat16().requires_grad_(), torch.randn(3, generator=g).bfloat16().requires_grad_()]
+        return ps, MixedPrecisionOptimizer(AdamW(ps, lr=1e-2, weight_decay=0.1))
+
+    params, opt = build()
+    ref_params, ref = build()
+    step = compiled_step(opt, backend="eager")
+    assert step.optimizers == [opt.optimizer]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    for k in range(3):
+        _grads(params, k)
+        _grads(ref_params, k)
+        step()
+        ref.step()
+        sched.step()
+        ref.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
+    assert sched._step_count == 4 and getattr(opt, "_opt_called", False)
+    for a, b in zip(opt.master_params(), ref.master_params()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert a.dtype == torch.float32
 
 
 @pytest.mark.compile
@@ -72,6 +157,7 @@ def test_compiled_adamw_compiles_once_and_equals_eager_for_three_steps_with_a_ne
     # bias correction or lr would be off by ~1e-3. The bf16 parameter is computed in float32 and rounded
     # once on both paths: at most one bf16 ulp apart.
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()   # graphs counted by earlier tests
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 8), (8,), (3, 4, 5)]
     base = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(6, generator=g).bfloat16()]

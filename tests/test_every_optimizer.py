@@ -377,3 +377,79 @@ def test_each_class_equals_its_functional_twin_bit_for_bit(name):
     ours, theirs = _twin_run(name)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the step contract: non-finite, load
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_nonfinite_gradient_raises_naming_the_parameter_before_any_write(name, foreach, bad):
+    from optbook.contract import NonFiniteGradientError
+
+    params = matrices()
+    opt = make(name, params, foreach)
+    drive(opt, params, 2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[1].grad[2, 4] = bad
+    snap = snapshot(opt, params)
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(3, 5\)"):
+        opt.step()
+    assert isinstance(NonFiniteGradientError("x"), ValueError)
+    assert_unchanged(opt, params, snap)
+    params[1].grad[2, 4] = 0.0
+    assert opt.step() is None   # the same step with the value fixed goes through
+    assert not torch.equal(params[1].detach(), snap[0][1])
+
+
+def _bad_dicts(name, saved):
+    """(bad dict, error, words of the message) for one class's state dict of two (4, 3), (3, 5) matrices."""
+    key = next(k for k, v in saved["state"][1].items() if torch.is_tensor(v) and v.ndim)
+    short = copy.deepcopy(saved)
+    short["state"][1][key] = short["state"][1][key][:1]
+    wrong_dtype = copy.deepcopy(saved)
+    wrong_dtype["state"][1][key] = wrong_dtype["state"][1][key].float()
+    missing = copy.deepcopy(saved)
+    del missing["state"][0][key]
+    bad_group = copy.deepcopy(saved)
+    bad_group["param_groups"][0]["lr"] = -1.0
+    two_groups = {**saved, "param_groups": saved["param_groups"] * 2}
+    one_param = copy.deepcopy(saved)
+    one_param["param_groups"][0]["params"] = [0]
+    cases = [({"param_groups": saved["param_groups"]}, ValueError, "no 'state'"),
+             (two_groups, ValueError, "2 param_groups"), (one_param, ValueError, "1 parameters"),
+             (short, ValueError, rf"state\[1\]\['{key}'\] \(param_groups\[0\]\['params'\]\[1\], shape \(3, 5\)\) has shape"), (wrong_dtype, ValueError, "float32"),
+             (bad_group, ValueError, "lr"), ("state", TypeError, "dict")]
+    if name not in ("Muon", "SGD", "Lion"):   # their one state tensor: without it the state is empty (fresh)
+        cases.append((missing, ValueError, f"no '{key}'"))
+    return cases
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_bad_state_dict_raises_and_writes_nothing(name, foreach):
+    source_params = matrices()
+    source = make(name, source_params, foreach)
+    drive(source, source_params, 2)
+    saved = source.state_dict()
+    params = matrices(seed=3)
+    opt = make(name, params, foreach)
+    drive(opt, params, 1, seed=4)
+    for bad, error, words in _bad_dicts(name, saved):
+        snap = snapshot(opt, params)
+        with pytest.raises(error, match=words):
+            opt.load_state_dict(bad)
+        assert_unchanged(opt, params, snap)
+    opt.load_state_dict(saved)
+    assert_bitwise_equal(opt.state_dict()["state"], saved["state"])
+
+
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_a_bfloat16_parameters_float32_statistics_round_trip_through_a_state_dict(name):
+    # torch.optim.Optimizer.load_state_dict would cast L and R to the parameter's bfloat16
+    params = matrices(dtype=torch.bfloat16)
+    opt = make(name, params)
+    drive(opt, params, 2)
+    loaded = make(name, [p.detach().clone().requires_grad_() for p in params])
+    loaded.load_state_dict(opt.state_dict())
+    assert loaded.state[loaded.param_groups[0]["params"][0]]["L"].dtype == torch.float32
+    assert_bitwise_equal(loaded.state_dict()["state"], opt.state_dict()["state"])

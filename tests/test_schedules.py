@@ -158,3 +158,38 @@ def test_relative_update_groups_by_role():
     assert rho["attention"]["layers.0.attn.q_proj.weight"] == pytest.approx(0.1)
     assert rho["norm"]["norm.weight"] == pytest.approx(0.5)
     assert rho["mlp"]["layers.0.mlp.0.weight"] == 0.0
+
+
+def test_sample_scheduler_scales_each_groups_own_lr_in_a_muon_adamw_chain():
+    # one schedule over a chain: Muon keeps 0.02 times the schedule's shape, AdamW 3e-3 times it, as
+    # torch's LambdaLR does with each group's initial_lr (one absolute lr would give AdamW's groups 0.02)
+    from optbook.optim import AdamW, ChainedOptimizer, Muon
+
+    W = torch.zeros(4, 3, requires_grad=True)
+    b = torch.zeros(3, requires_grad=True)
+    chain = ChainedOptimizer([Muon([W], lr=0.02), AdamW([b], lr=3e-3)])
+    s = LRSchedule(0.02, total=400, warmup=40, style="cosine", min_lr=0.002)
+    sched = SampleScheduler(chain, s, batch_size=4)
+    p = torch.zeros(1, requires_grad=True)
+    twin = torch.optim.SGD([{"params": [W.detach().clone()], "lr": 0.02}, {"params": [p], "lr": 3e-3}])
+    torch_sched = torch.optim.lr_scheduler.LambdaLR(twin, s.lr_lambda(batch_size=4))
+    for k in range(120):
+        muon_lr, adamw_lr = (g["lr"] for g in chain.param_groups)
+        assert muon_lr == s(4 * (k + 1))                         # the base equals max_lr: exactly the schedule
+        assert adamw_lr == pytest.approx(3e-3 * s(4 * (k + 1)) / 0.02, rel=1e-15)
+        assert [muon_lr, adamw_lr] == pytest.approx([g["lr"] for g in twin.param_groups], rel=1e-15)
+        twin.step()
+        torch_sched.step()
+        sched.step()
+    assert [g["initial_lr"] for g in chain.param_groups] == [0.02, 3e-3]
+    assert [g["lr"] for g in chain.param_groups] == pytest.approx([0.002, 3e-4], rel=1e-15)  # the floor, scaled
+
+
+def test_sample_scheduler_single_group_is_the_absolute_schedule_bit_for_bit():
+    s = LRSchedule(0.5, total=100, warmup=10, style="wsd", wsd_decay=30, min_lr=0.05)
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.5)
+    sched = SampleScheduler(opt, s, batch_size=3)
+    for k in range(40):
+        assert opt.param_groups[0]["lr"] == s(3 * (k + 1))     # == : bitwise
+        sched.step()

@@ -44,16 +44,39 @@ What ``load_state_dict`` guarantees
 Distributed wrappers
     At construction every rank's parameter shapes and dtypes are compared (one collective); a difference is
     an error naming the first parameter that differs and the ranks that disagree.
+
+Sources: ``torch.optim.Optimizer`` (torch 2.x ``torch/optim/optimizer.py``: ``step`` returns the closure's
+loss, the step hooks, ``load_state_dict``); ``torch.amp.GradScaler.step`` (a skipped step); Megatron-LM
+core_r0.13.0 ``megatron/core/optimizer/optimizer.py`` (``MixedPrecisionOptimizer.step``: found_inf and the
+skipped update, ``ChainedOptimizer``) and ``megatron/training/arguments.py``
+(``--check-for-nan-in-loss-and-grad``).
+
+The table: one row per kind of class (:data:`CONTRACT`, rendered by :func:`contract_table`; appended
+here from the data, so the two cannot differ). "Takes no scaler": the class has no loss-scaler argument
+(wrap a single-process optimizer in :class:`~optbook.precision.MixedPrecisionOptimizer` to skip such
+steps); a chain's ``found_inf`` is always ``False`` and its ``skipped_steps`` 0 (it raises, never skips).
+
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NonFiniteGradientError", "VersionTracker", "elementwise", "owner_of", "register_owner",
-           "scale_weights_"]
+__all__ = [
+    "COLUMNS",
+    "CONTRACT",
+    "ContractRow",
+    "NonFiniteGradientError",
+    "VersionTracker",
+    "contract_table",
+    "elementwise",
+    "owner_of",
+    "register_owner",
+    "scale_weights_",
+]
 
 
 class NonFiniteGradientError(ValueError, FloatingPointError):
@@ -144,3 +167,84 @@ def elementwise(optimizer_class) -> bool:
     if flag is not None:
         return bool(flag)
     return optimizer_class in _torch_elementwise()  # the class itself: a subclass may change the math
+
+
+# --- the contract as data ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContractRow:
+    """One kind of class of the step contract (a row of :data:`CONTRACT`).
+
+    Attributes:
+        kind: the class (or, for ``"plain optimizer"``, every optimizer of :mod:`optbook.optim`).
+        owns_weights: ``"no"``, or ``"yes: <its copy>"`` (it is registered with :func:`register_owner`).
+        nonfinite_without_scaler: what ``step()`` does with an ``inf``/``NaN`` gradient and no loss scaler.
+        nonfinite_with_scaler: the same with a loss scaler (``"takes no scaler"``: no such argument).
+        step_returns: what ``step(closure=None)`` returns.
+        reports: the attributes describing the last step (``found_inf``, ``skipped_steps``,
+            ``last_grad_norm``); empty for a plain optimizer.
+        load: what ``load_state_dict`` guarantees.
+    """
+
+    kind: str
+    owns_weights: str
+    nonfinite_without_scaler: str
+    nonfinite_with_scaler: str
+    step_returns: str
+    reports: tuple[str, ...]
+    load: str
+
+    @property
+    def owner(self) -> bool:
+        """Whether the class keeps its own copy of the weights (and registers as their owner)."""
+        return self.owns_weights.startswith("yes")
+
+    @property
+    def takes_loss_scaler(self) -> bool:
+        """Whether the class can be built with a loss scaler (and then skips non-finite steps)."""
+        return self.nonfinite_with_scaler != "takes no scaler"
+
+
+_REPORTS = ("found_inf", "skipped_steps", "last_grad_norm")
+_RAISES = "raises NonFiniteGradientError, nothing written"
+_RAISES_ALL = "raises NonFiniteGradientError on every rank, nothing written"
+_SKIPS = "skips: only the scaler changes; found_inf, skipped_steps += 1"
+_LOSS = "the closure's loss or None"
+_LOAD = "whole dict checked first; nothing written on error"
+
+#: The step contract, one row per kind of class (:class:`ContractRow`); :func:`contract_table` renders it.
+CONTRACT: tuple[ContractRow, ...] = (
+    ContractRow("plain optimizer", "no", _RAISES, "takes no scaler", _LOSS, (), _LOAD),
+    ContractRow("ChainedOptimizer", "no", _RAISES + " (one check over every member)", "takes no scaler", _LOSS,
+                _REPORTS, _LOAD + " (every member)"),
+    ContractRow("MixedPrecisionOptimizer", "yes: float32 master weights", _RAISES, _SKIPS, _LOSS, _REPORTS, _LOAD),
+    ContractRow("DistributedOptimizer", "yes: float32 master shards (ZeRO-1)", _RAISES_ALL,
+                _SKIPS + ", on every rank", _LOSS, _REPORTS, _LOAD),
+    ContractRow("LayerWiseMuon", "no", _RAISES_ALL, "takes no scaler", _LOSS, _REPORTS, _LOAD),
+    ContractRow("DistributedMuon", "yes: its flat pieces", _RAISES_ALL, "takes no scaler", _LOSS, _REPORTS, _LOAD),
+    ContractRow("DistributedChain", "yes: the master shards of its ZeRO-1 member", _RAISES_ALL, "takes no scaler",
+                _LOSS, _REPORTS, _LOAD + " (both members)"),
+    ContractRow("OffloadOptimizer", "yes: host copies", _RAISES, "takes no scaler", _LOSS, _REPORTS, _LOAD),
+)
+
+#: Column headings of :func:`contract_table`, in the order of :class:`ContractRow`'s fields.
+COLUMNS = ("class", "owns a copy of the weights?", "non-finite gradient, no loss scaler",
+           "non-finite gradient, with a loss scaler", "step() returns", "reports", "load_state_dict")
+
+
+def contract_table() -> str:
+    """:data:`CONTRACT` as a Markdown table (one line per row; deterministic text).
+
+    ``reports`` lists the attribute names; a chain's ``found_inf`` is always ``False`` and its
+    ``skipped_steps`` always 0 (it never skips: it raises).
+    """
+    def cells(row: ContractRow) -> list[str]:
+        reports = ", ".join(f"`{r}`" for r in row.reports) or "--"
+        return [f"`{row.kind}`" if row.kind != "plain optimizer" else "plain optimizer (`optbook.optim`)",
+                row.owns_weights, row.nonfinite_without_scaler, row.nonfinite_with_scaler, row.step_returns,
+                reports, row.load]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells(row)) + " |" for row in CONTRACT]
+    return "\n".join(lines)
+
+
+__doc__ = (__doc__ or "") + contract_table() + "\n"

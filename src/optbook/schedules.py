@@ -164,7 +164,18 @@ class WeightDecaySchedule:
 
 
 class SampleScheduler:
-    """Set every group's ``lr`` (and ``weight_decay``) from schedules counted in samples.
+    """Scale every group's ``lr`` (and set its ``weight_decay``) from schedules counted in samples.
+
+    Each group's learning rate follows the schedule's *shape* from its own base learning rate, as
+    ``torch.optim.lr_scheduler`` does: the base is the group's ``initial_lr`` (set to its ``lr`` when the
+    scheduler is built, unless a scheduler set it before; a group added later gets its ``lr`` then), and
+
+        lr = lr_schedule(n) * (initial_lr / lr_schedule.max_lr) * lr_mult
+
+    so a Muon group at ``lr=0.02`` and an AdamW group at ``lr=3e-3`` under one schedule keep their own
+    rates (writing one absolute rate into every group would train Muon with AdamW's). A group whose base
+    is ``max_lr`` gets exactly ``lr_schedule(n) * lr_mult`` (the ratio is exactly 1). The weight decay is
+    absolute: ``wd_schedule(n) * wd_mult``.
 
     Call :meth:`step` after each *applied* optimizer step with the samples that step consumed;
     it sets the values for the next step, assuming it consumes ``next_batch_size`` samples (default:
@@ -187,8 +198,10 @@ class SampleScheduler:
 
     def _apply(self) -> None:
         n = self.samples + self.batch_size
+        lr = self.lr_schedule(n)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_schedule(n) * group.get("lr_mult", 1.0)
+            base = group.setdefault("initial_lr", group["lr"])   # torch.optim.lr_scheduler's key
+            group["lr"] = lr * (float(base) / self.lr_schedule.max_lr) * group.get("lr_mult", 1.0)
             if self.wd_schedule is not None:
                 group["weight_decay"] = self.wd_schedule(n) * group.get("wd_mult", 1.0)
 

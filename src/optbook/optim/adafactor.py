@@ -105,6 +105,12 @@ class Adafactor(BookOptimizer):
         check_number("d", group["d"], low=0.0, low_open=True)
         check_weight_decay(group["weight_decay"])
 
+    def _expected_state(self, p, group):
+        if p.ndim >= 2:
+            return {"row_var": ((*p.shape[:-1], 1), p.dtype, True),
+                    "col_var": ((*p.shape[:-2], 1, p.shape[-1]), p.dtype, True)}
+        return {"variance": (tuple(p.shape), p.dtype, True)}
+
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:

@@ -135,15 +135,18 @@ class _AdamBase(BookOptimizer):
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
 
-    def _prepare_group(self, group: dict, skip_empty: bool = False) -> tuple[list, list, list, list, list]:
+    def _expected_state(self, p, group):
+        like = (tuple(p.shape), p.dtype)
+        return {"exp_avg": (*like, True), "exp_avg_sq": (*like, True), "max_exp_avg_sq": (*like, False)}
+
+    def _prepare_group(self, group: dict) -> tuple[list, list, list, list, list]:
         """Create missing state and advance the step count of every parameter of ``group`` with a gradient
-        (and, with ``skip_empty``, at least one element). Returns ``(params, exp_avgs, exp_avg_sqs, steps,
-        max_exp_avg_sqs)``, the last empty unless ``amsgrad``. Shared by :meth:`step` and
-        :func:`optbook.optim.compiled_step`."""
+        (``step()`` has removed those with no element). Returns ``(params, exp_avgs, exp_avg_sqs, steps,
+        max_exp_avg_sqs)``, the last empty unless ``amsgrad``."""
         params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs = [], [], [], [], []
         amsgrad = group["amsgrad"]
         for p in group["params"]:
-            if p.grad is None or (skip_empty and p.numel() == 0):
+            if p.grad is None:
                 continue
             state = self.state[p]
             if not state:
@@ -161,9 +164,17 @@ class _AdamBase(BookOptimizer):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         return params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs
 
+    #: ``None`` (the eager step), or the :class:`optbook.optim.compiled.CompiledStep` whose compiled kernel
+    #: runs this optimizer's arithmetic inside its own ``step()`` (set by :func:`optbook.optim.compiled_step`).
+    compiled = None
+
     def _step_group(self, group: dict) -> None:
         params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs = self._prepare_group(group)
         amsgrad = group["amsgrad"]
+        if self.compiled is not None:
+            self.compiled.run_group(params, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, group,
+                                    decoupled_weight_decay=self._decoupled)
+            return
         foreach = use_foreach(group["foreach"], params)
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
@@ -190,7 +201,9 @@ _ARGS_DOC = """
 
     Raises:
         ValueError: ``lr < 0``, a beta outside ``[0, 1)``, ``eps <= 0``, ``weight_decay < 0``,
-            non-finite values; a gradient of another shape or device.
+            non-finite values; a gradient of another shape or device; a gradient holding ``inf``/``NaN``
+            (:class:`~optbook.contract.NonFiniteGradientError`, nothing written: ``torch.optim`` writes
+            the NaN into the weights instead).
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
             ``amsgrad`` or ``maximize`` not a bool, ``foreach`` not ``None``/``True``/``False``.
 """

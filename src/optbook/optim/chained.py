@@ -13,12 +13,13 @@ that reads and writes the owning member's state.
 from __future__ import annotations
 
 import copy
+import math
 from collections import OrderedDict
 from collections.abc import MutableMapping
 
 import torch
 
-from .optimizer import BookOptimizer, all_finite
+from .optimizer import BookOptimizer, check_state_layout, nonfinite_checked_by_caller, raise_nonfinite
 
 __all__ = ["ChainedOptimizer"]
 
@@ -54,6 +55,20 @@ class _ChainedState(MutableMapping):
         return f"ChainedState({len(self)} parameters)"
 
 
+def _check_like_current(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Each state tensor in ``state_dict`` has the shape and dtype of the one ``opt`` holds under that key
+    (for a ``torch.optim`` member, whose state layout optbook does not know otherwise)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    for index, p in zip(ids, params):
+        for key, value in (state_dict["state"].get(index) or {}).items():
+            held = opt.state[p].get(key) if p in opt.state else None
+            if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.ndim and (
+                    value.shape != held.shape or value.dtype != held.dtype):
+                raise ValueError(f"Invalid state_dict: state[{index!r}][{key!r}] has shape {tuple(value.shape)}, "
+                                 f"dtype {value.dtype}; the optimizer holds {tuple(held.shape)}, {held.dtype}")
+
+
 class ChainedOptimizer(torch.optim.Optimizer):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
@@ -67,9 +82,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     1. every member that is an :class:`optbook.optim.BookOptimizer` validates its hyperparameters and
        gradients (a bad value raises before *any* member writes);
-    2. one check over every gradient of every member: if any is non-finite, the whole step is skipped
-       for all members (nothing is written; ``found_inf`` is set and ``skipped_steps`` counts it);
-    3. the global clip (if ``max_grad_norm``), then each member's ``step()`` in order.
+    2. one check over every gradient of every member, the global gradient norm (clipped to
+       ``max_grad_norm`` if set; a non-finite norm leaves the gradients as they are): if any gradient
+       holds ``inf`` or ``NaN``, :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and
+       nothing is written (the step contract of :mod:`optbook.contract`: the chain has no loss scaler;
+       wrap it in :class:`optbook.precision.MixedPrecisionOptimizer` with one to skip such steps). The
+       members do not check again (:func:`~optbook.optim.optimizer.nonfinite_checked_by_caller`);
+    3. each member's ``step()`` in order.
 
     Members from ``torch.optim`` validate inside their own ``step()``, after the members before them
     have stepped; use optbook's classes where the step must be atomic.
@@ -82,10 +101,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optimizers: the members, in step order.
-        last_grad_norm: the global gradient norm of the last ``step()`` (a 0-dim tensor), or ``None``.
-        found_inf: whether the last ``step()`` was skipped for a non-finite gradient.
-        skipped_steps: how many steps were skipped that way (counted per process, not saved in the
-            state dict; :class:`optbook.precision.MixedPrecisionOptimizer` saves its own counter).
+        last_grad_norm: the global gradient norm before clipping of the last ``step()`` (a Python float,
+            units of the gradient), or ``None`` before the first step with a gradient.
+        found_inf: always ``False``, and ``skipped_steps`` always ``0``: a chain never skips a step (it
+            raises); the attributes are there because every wrapper of the step contract has them.
 
     Raises:
         TypeError: an element is not a ``torch.optim.Optimizer``.
@@ -201,16 +220,20 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Validate every member, skip the whole step on a non-finite gradient, clip, step each member.
+        """Validate every member, check every gradient once, clip, then step each member.
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss (run once,
                 with gradients enabled).
 
         Returns:
-            The closure's loss, or ``None``.
+            The closure's loss, or ``None`` (as ``torch.optim.Optimizer.step``).
 
         Raises:
+            NonFiniteGradientError: a gradient of any member holds ``inf`` or ``NaN`` (named by its index
+                in the chain's ``param_groups``); no member has written anything. A chain has no loss
+                scaler: to skip such steps, wrap it in :class:`optbook.precision.MixedPrecisionOptimizer`
+                with one.
             ValueError, TypeError: a member's hyperparameter or gradient is invalid; no member has
                 written anything when this happens.
         """
@@ -219,26 +242,27 @@ class ChainedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_momentum()
-        books = [opt for opt in self.optimizers if isinstance(opt, BookOptimizer)]
-        for opt in books:  # every optbook member validates before any member writes
-            saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False  # checked below, for all
-            try:
-                opt._validate()
-            finally:
-                opt.refuse_nonfinite_grads = saved
-        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
-        self.found_inf = bool(grads) and not all_finite(grads)
-        if self.found_inf:  # skip the whole step for all members: nothing is written
-            self.skipped_steps += 1
-            return loss
-        if grads:
-            from optbook.clipping import clip_grad_norm_, get_grad_norm
-            if self.max_grad_norm is not None:
-                self.last_grad_norm = clip_grad_norm_(self.parameters(), self.max_grad_norm)
-            else:
-                self.last_grad_norm = get_grad_norm(self.parameters())
-        for opt in self.optimizers:
-            opt.step()
+        with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
+            for opt in self.optimizers:   # every optbook member validates before any member writes
+                if isinstance(opt, BookOptimizer):
+                    opt._validate()
+            named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
+                     for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
+            if named:
+                # One reduction over every gradient of every member: the global norm (float64 sums of
+                # squares) is finite exactly when every entry is. A non-finite norm leaves the gradients
+                # untouched (clip_grad_norm_), so nothing has been written when the error is raised.
+                from optbook.clipping import clip_grad_norm_, get_grad_norm
+                params = [p for _, p in named]
+                norm = (clip_grad_norm_(params, self.max_grad_norm) if self.max_grad_norm is not None
+                        else get_grad_norm(params))
+                norm = float(norm)
+                if not math.isfinite(norm):
+                    raise_nonfinite(named)
+                self.last_grad_norm = norm
+            self.found_inf = False
+            for opt in self.optimizers:
+                opt.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -249,34 +273,61 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """Number of groups of each member (to split a chain state dict)."""
         return [len(opt.param_groups) for opt in self.optimizers]
 
-    @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved by :meth:`state_dict` of a chain with the same members and groups.
+    def _split_state_dict(self, state_dict: dict) -> list[dict]:
+        """One state dict per member (parameter indices renumbered from 0), from a checked chain dict."""
+        groups, state, start, members = state_dict["param_groups"], state_dict["state"], 0, []
+        for n in self._layout():
+            mine = groups[start:start + n]
+            start += n
+            renumber = {old: new for new, old in enumerate(i for g in mine for i in g["params"])}
+            members.append({"state": {renumber[i]: s for i, s in state.items() if i in renumber},
+                            "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]})
+        return members
 
-        The state dict is in PyTorch's layout (``state`` keyed by parameter index over all groups,
-        ``param_groups`` concatenated); it is split and loaded into each member (which copies it).
+    def check_state_dict(self, state_dict) -> None:
+        """Check that ``state_dict`` fits the whole chain, writing nothing (:meth:`load_state_dict` calls it).
+
+        The chain's layout (groups, parameter counts and indices, ``state`` and ``param_groups`` present),
+        then each member's part: an :class:`~optbook.optim.BookOptimizer` member checks its
+        hyperparameters and state shapes and dtypes (:meth:`~optbook.optim.BookOptimizer.check_state_dict`);
+        for a ``torch.optim`` member a state tensor must have the shape and dtype of the one the member
+        holds under that key, if it holds one.
 
         Raises:
-            ValueError: the number of groups, or of parameters in a group, differs.
+            ValueError, TypeError: naming the member and what does not fit.
+        """
+        check_state_layout(self.param_groups, state_dict)
+        for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
+            try:
+                if isinstance(opt, BookOptimizer):
+                    opt.check_state_dict(part)
+                else:
+                    check_state_layout(opt.param_groups, part)
+                    _check_like_current(opt, part)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} (member {k}, {type(opt).__name__}, of the chain)") from e
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved by :meth:`state_dict` of a chain with the same members and groups; all or
+        nothing.
+
+        The state dict is in PyTorch's layout (``state`` keyed by parameter index over all groups,
+        ``param_groups`` concatenated). It is checked whole first (:meth:`check_state_dict`: every member's
+        part), then split and loaded into each member (which copies it). On an error no member has been
+        written.
+
+        Raises:
+            ValueError, TypeError: as :meth:`check_state_dict` (a missing ``state``, a different number of
+                groups or parameters, a state tensor of another shape or dtype, a bad hyperparameter).
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = pre_hook(self, state_dict)
             if out is not None:
                 state_dict = out
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if groups is None or len(groups) != len(self.param_groups):
-            raise ValueError(f"Invalid state_dict: expected {len(self.param_groups)} param_groups, got "
-                             f"{None if groups is None else len(groups)}")
-        state = state_dict.get("state", {})
-        start = 0
-        for opt, n in zip(self.optimizers, self._layout()):
-            mine = groups[start:start + n]
-            start += n
-            ids = [i for g in mine for i in g["params"]]
-            renumber = {old: new for new, old in enumerate(ids)}
-            member = {"state": {renumber[i]: copy.deepcopy(s) for i, s in state.items() if i in renumber},
-                      "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]}
-            opt.load_state_dict(member)
+        self.check_state_dict(state_dict)
+        for opt, part in zip(self.optimizers, self._split_state_dict(state_dict)):
+            opt.load_state_dict(copy.deepcopy(part) if not isinstance(opt, BookOptimizer) else part)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

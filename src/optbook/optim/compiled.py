@@ -12,10 +12,10 @@ Their *values* are data, not constants, so one graph serves every step.
 :func:`adam_tensor` is the same update as :func:`optbook.optim.adam` (AdamW's decoupled decay, or
 Adam's L2; AMSGrad; maximize; float16/bfloat16 parameters computed in float32 and rounded back once),
 written with ``t`` and ``lr`` as tensors and no Python branch on their values. :func:`compiled_step`
-wraps an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW` so that its ``step()`` does the
-optimizer's usual validation and state bookkeeping in Python (``state["step"]`` stays an ``int``, so
-state dicts are the eager optimizer's) and runs the arithmetic through one compiled :func:`adam_tensor`
-per parameter group. Inductor fuses each parameter's seven element-wise lines into one loop over
+makes an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW` (also as a member of a chain,
+or inside a mixed-precision wrapper) run its arithmetic through one compiled :func:`adam_tensor` per
+parameter group, inside its own ``step()``: the usual validation, hooks, scheduler bookkeeping and state
+(``state["step"]`` stays an ``int``, so state dicts are the eager optimizer's) are unchanged. Inductor fuses each parameter's seven element-wise lines into one loop over
 memory, which is what ``torch.optim.AdamW(fused=True)`` does by hand in C++/CUDA.
 
 What still recompiles (guards): a change of the group's ``betas``, ``eps``, ``weight_decay``,
@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION
-from .adam import _AdamBase
+from .adam import Adam, AdamW
+from .chained import ChainedOptimizer
 
 __all__ = ["CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_step"]
 
@@ -122,78 +123,117 @@ def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
 
 
 class CompiledStep:
-    """``step(closure=None)`` of an Adam/AdamW whose arithmetic runs in one compiled graph per group.
+    """The compiled arithmetic of one or more Adam/AdamW optimizers, run inside their own ``step()``.
 
-    Made by :func:`compiled_step`; see the module docstring. Attributes: ``optimizer`` (the wrapped
-    optimizer, whose ``state`` and ``param_groups`` are read and written as in its own ``step``) and
-    ``kernel`` (the ``torch.compile``-d :func:`adam_elementwise`; :func:`adam_scalars` runs eagerly
-    before it, a few float64 numbers per parameter).
+    Made by :func:`compiled_step`; see the module docstring. Calling it is calling ``optimizer.step``:
+    ``step(closure=None)`` returns what that returns.
+
+    Attributes:
+        optimizer: what :func:`compiled_step` was given (an Adam/AdamW, a chain, a mixed-precision wrapper).
+        optimizers: the Adam/AdamW instances whose ``step()`` runs the compiled kernel (their attribute
+            ``compiled`` is this object).
+        kernel: the ``torch.compile``-d :func:`adam_elementwise` (:func:`adam_scalars` runs eagerly before
+            it, a few float64 numbers per parameter).
     """
 
-    def __init__(self, optimizer: _AdamBase, **compile_options):
+    def __init__(self, optimizer, optimizers: list, **compile_options):
         self.optimizer = optimizer
+        self.optimizers = optimizers
         self.kernel = torch.compile(adam_elementwise, fullgraph=True, **compile_options)
 
-    @torch.no_grad()
     def __call__(self, closure=None):
-        opt = self.optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        opt._validate()   # every group and gradient checked before anything is written, as opt.step()
-        for group in opt.param_groups:
-            group = opt._read_floats(group)
-            params, exp_avgs, exp_avg_sqs, steps, maxes = opt._prepare_group(group, skip_empty=True)
-            amsgrad = group["amsgrad"]
-            if not params:
-                continue
-            beta1, beta2 = (float(b) for b in group["betas"])
-            weight_decay = float(group["weight_decay"])
-            # a few float64 numbers per parameter, eagerly: the compiled graph sees them as data
-            scalars = adam_scalars(torch.tensor(steps, dtype=torch.float64),
-                                   torch.tensor(float(group["lr"]), dtype=torch.float64), beta1=beta1,
-                                   beta2=beta2, eps=float(group["eps"]), weight_decay=weight_decay)
-            if params[0].device != scalars.device:
-                scalars = scalars.to(params[0].device)
-            self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars, beta1=beta1,
-                        beta2=beta2, weight_decay=weight_decay, decoupled_weight_decay=opt._decoupled,
-                        amsgrad=amsgrad, maximize=group["maximize"],
-                        max_exp_avg_sqs=maxes if amsgrad else None)
-        return loss
+        return self.optimizer.step(closure)
+
+    def run_group(self, params, exp_avgs, exp_avg_sqs, steps: list[int], max_exp_avg_sqs, group: dict, *,
+                  decoupled_weight_decay: bool) -> None:
+        """One group's arithmetic through the compiled kernel, from the state an Adam/AdamW's ``step()``
+        prepared (``steps``: each parameter's step count after this step); ``group``'s numbers as floats."""
+        if not params:
+            return
+        amsgrad = group["amsgrad"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        weight_decay = float(group["weight_decay"])
+        # a few float64 numbers per parameter, eagerly: the compiled graph sees them as data
+        scalars = adam_scalars(torch.tensor(steps, dtype=torch.float64),
+                               torch.tensor(float(group["lr"]), dtype=torch.float64), beta1=beta1, beta2=beta2,
+                               eps=float(group["eps"]), weight_decay=weight_decay)
+        if params[0].device != scalars.device:
+            scalars = scalars.to(params[0].device)
+        self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars, beta1=beta1, beta2=beta2,
+                    weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad,
+                    maximize=group["maximize"], max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
 
 
-def compiled_step(optimizer: _AdamBase, **compile_options) -> CompiledStep:
-    """A ``step`` for ``optimizer`` (an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW`)
-    whose arithmetic is compiled once by ``torch.compile`` and not again when ``lr`` or the step count
-    change.
+def _adam_members(optimizer) -> list:
+    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (chains and the
+    mixed-precision wrapper looked into); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
+    from optbook.precision import MixedPrecisionOptimizer  # imported here: precision imports optbook.optim
 
-    Use it in place of ``optimizer.step``::
+    if isinstance(optimizer, (Adam, AdamW)):
+        return [optimizer]
+    if isinstance(optimizer, ChainedOptimizer):
+        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, ChainedOptimizer,
+                                                                            MixedPrecisionOptimizer))
+                for a in _adam_members(member)]
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        return _adam_members(optimizer.optimizer)
+    raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, a ChainedOptimizer "
+                    f"with such members, and a MixedPrecisionOptimizer around one of these; got "
+                    f"{type(optimizer).__name__}")
+
+
+def compiled_step(optimizer, **compile_options) -> CompiledStep:
+    """Run the arithmetic of ``optimizer``'s Adam/AdamW steps through one ``torch.compile``-d kernel, not
+    compiled again when ``lr`` or the step count change; returns ``optimizer.step``'s stand-in.
+
+    Use it in place of ``optimizer.step`` (or keep calling ``optimizer.step()``: it is the same)::
 
         opt = optbook.optim.AdamW(model.parameters(), lr=3e-4)
         step = optbook.optim.compiled_step(opt)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
         for batch in data:
             loss(model, batch).backward()
             step()                  # first call compiles; later calls reuse the graph
+            sched.step()
             opt.zero_grad()
 
-    The optimizer object is unchanged: its ``state_dict``, ``param_groups`` (edit ``lr`` there, or let
-    a ``torch.optim.lr_scheduler`` do it), and its eager ``optimizer.step()`` all still work and share
-    the state (the step count stays a Python ``int``). The validation is the optimizer's own: a bad
-    hyperparameter or gradient raises before anything is written.
+    The compiled arithmetic runs *inside* the optimizer's own ``step()`` (each Adam/AdamW gets the
+    attribute ``compiled``), so everything ``step()`` does still happens: the validation (a bad
+    hyperparameter or gradient, or an ``inf``/``NaN`` gradient, raises before anything is written), the
+    step pre- and post-hooks, and the ``torch.optim.lr_scheduler`` bookkeeping (a scheduler wraps
+    ``optimizer.step`` to see that the optimizer stepped; calling :class:`CompiledStep` calls that
+    wrapped method, so a correctly ordered loop gets no "lr_scheduler.step() before optimizer.step()"
+    warning). The state stays the eager optimizer's (``state["step"]`` an ``int``; same ``state_dict``).
+
+    Where it works, and why these: the kernel is an Adam/AdamW update, so it replaces the arithmetic of
+    Adam/AdamW instances only. ``optimizer`` may be
+
+    * an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW`;
+    * a :class:`~optbook.optim.ChainedOptimizer`: its Adam/AdamW members (also inside nested chains or
+      mixed-precision members) run compiled, the others (Muon, ...) eagerly, and the chain's one check
+      and global clip come first as always;
+    * an :class:`optbook.precision.MixedPrecisionOptimizer` around one of these: the inner Adam/AdamW
+      steps the float32 masters with the compiled kernel, after the wrapper's unscale, check and clip.
+
+    Anything else (``torch.optim``'s classes, other wrappers, whose steps do not go through an optbook
+    Adam's ``step()``) is refused with a ``TypeError``: there is nothing the kernel could replace.
 
     Args:
-        optimizer: an ``optbook.optim.Adam`` or ``AdamW`` (its ``foreach`` option is ignored: the
-            compiler fuses the loop).
-        compile_options: passed to ``torch.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``).
+        optimizer: as above (the ``foreach`` option of its Adam/AdamW is ignored: the compiler fuses the loop).
+        compile_options: passed to ``torch.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``, or
+            ``backend="eager"`` to trace without generating code).
 
     Returns:
-        A :class:`CompiledStep`, callable as ``step(closure=None)``.
+        A :class:`CompiledStep`, callable as ``step(closure=None)``: it calls ``optimizer.step(closure)``.
 
     Raises:
-        TypeError: ``optimizer`` is not an optbook Adam or AdamW.
+        TypeError: ``optimizer`` is none of the above, or a chain without an Adam/AdamW member.
     """
-    if not isinstance(optimizer, _AdamBase):
-        raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, "
-                        f"got {type(optimizer).__name__}")
-    return CompiledStep(optimizer, **compile_options)
+    targets = _adam_members(optimizer)
+    if not targets:
+        raise TypeError(f"Invalid optimizer: compiled_step found no optbook.optim.Adam or AdamW in this "
+                        f"{type(optimizer).__name__}: nothing to compile")
+    step = CompiledStep(optimizer, targets, **compile_options)
+    for opt in targets:
+        opt.compiled = step
+    return step

@@ -68,6 +68,9 @@ class Lion(BookOptimizer):
         check_betas(group["betas"])
         check_weight_decay(group["weight_decay"])
 
+    def _expected_state(self, p, group):
+        return {"exp_avg": (tuple(p.shape), p.dtype, True)}
+
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:

@@ -5,6 +5,9 @@ It adds these things to :class:`torch.optim.Optimizer`:
 * every parameter group is validated when it is added (``__init__`` and ``add_param_group``), and
   again, with every gradient, at the start of each ``step()`` -- *before* any tensor is written, so
   a ``step()`` that raises leaves parameters and state untouched;
+* a gradient holding ``inf`` or ``NaN`` raises :class:`~optbook.contract.NonFiniteGradientError` naming
+  the parameter, before any write (the step contract of :mod:`optbook.contract`; ``torch.optim`` writes
+  the NaN into the weights), found by one reduction per device over all the step's gradients;
 * ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
 * a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
@@ -17,9 +20,11 @@ It adds these things to :class:`torch.optim.Optimizer`:
 * a state dict saved before an option existed (e.g. ``foreach``, ``head_split``, ``amsgrad``) loads and
   steps: ``__setstate__`` fills each missing option with the constructor's default, the behaviour the
   old version had (as ``torch.optim``'s classes do, one ``setdefault`` per option);
-* ``load_state_dict`` copies the state tensors it is given, so the loaded optimizer never shares them
-  with the source (``torch.optim.Optimizer.load_state_dict`` keeps a same-dtype, same-device tensor
-  as it is: stepping one optimizer then changes the other; pytorch/pytorch#196083).
+* ``load_state_dict`` checks the whole dict first (layout, counts, hyperparameters, each state tensor's
+  shape and dtype) and writes nothing on an error; it copies the state tensors it is given, so the
+  loaded optimizer never shares them with the source (``torch.optim.Optimizer.load_state_dict`` keeps a
+  same-dtype, same-device tensor as it is: stepping one optimizer then changes the other;
+  pytorch/pytorch#196083).
 
 Subclasses implement ``_check_hyperparameters(group)`` and ``_step_group(group)``.
 Explained in chapter 1 (SGD and momentum).
@@ -27,12 +32,92 @@ Explained in chapter 1 (SGD and momentum).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import inspect
 
 import torch
 
+from ..contract import NonFiniteGradientError
 from ._validation import check_grad, check_matrices, check_params
+
+
+def check_state_layout(param_groups: list[dict], state_dict) -> None:
+    """Check the layout of an optimizer ``state_dict`` against ``param_groups``, writing nothing.
+
+    Checked: ``state_dict`` is a dict with ``state`` (a dict) and ``param_groups`` (a list of dicts, each
+    with a ``params`` list), as many groups as ``param_groups``, as many parameter indices in each group
+    as there are parameters, no index twice, and every ``state`` key one of the indices.
+
+    Raises:
+        TypeError: a part has the wrong type; ValueError: a count or an index does not fit. The message
+        says which.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
+    for key, kind in (("state", dict), ("param_groups", list)):
+        if key not in state_dict:
+            raise ValueError(f"Invalid state_dict: no {key!r} entry (keys: {sorted(map(str, state_dict))})")
+        if not isinstance(state_dict[key], kind):
+            raise TypeError(f"Invalid state_dict: {key!r} is a {type(state_dict[key]).__name__}, expected a "
+                            f"{kind.__name__}")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(param_groups):
+        raise ValueError(f"Invalid state_dict: {len(saved)} param_groups, this optimizer has {len(param_groups)}")
+    seen: set = set()
+    for gi, (group, g) in enumerate(zip(param_groups, saved)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+            raise TypeError(f"Invalid state_dict: param_groups[{gi}] must be a dict with a 'params' list")
+        if len(g["params"]) != len(group["params"]):
+            raise ValueError(f"Invalid state_dict: param_groups[{gi}] has {len(g['params'])} parameters, this "
+                             f"optimizer's has {len(group['params'])}")
+        for index in g["params"]:
+            if index in seen:
+                raise ValueError(f"Invalid state_dict: parameter index {index!r} is in two places")
+            seen.add(index)
+    extra = [k for k in state_dict["state"] if k not in seen]
+    if extra:
+        raise ValueError(f"Invalid state_dict: state for parameter indices {extra[:5]} that no group lists")
+
+
+def raise_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`~optbook.contract.NonFiniteGradientError` naming the first ``(name, param)`` whose
+    gradient holds ``inf`` or ``NaN``; called once a single check over all of them has failed.
+
+    Args:
+        named: ``(name, param)`` pairs, every ``param.grad`` a tensor.
+    """
+    for where, p in named:
+        if not bool(torch.isfinite(p.grad).all()):
+            kind = "NaN" if bool(p.grad.isnan().any()) else "inf"
+            raise NonFiniteGradientError(
+                f"Non-finite gradient in {where} (shape {tuple(p.shape)}, holds {kind}): nothing was written. "
+                "Without a loss scaler a step with an inf/NaN gradient is an error (the step contract, "
+                "optbook.contract); to skip such steps instead, use a loss scaler "
+                "(optbook.precision.MixedPrecisionOptimizer)")
+    raise NonFiniteGradientError("Non-finite gradient: nothing was written")  # pragma: no cover - a race
+
+
+@contextlib.contextmanager
+def nonfinite_checked_by_caller(optimizers):
+    """Within the block, ``step()`` of each optbook optimizer in ``optimizers`` skips its own
+    non-finite-gradient check: the caller has checked every gradient of the step once, for all of them
+    (:class:`~optbook.optim.ChainedOptimizer` does, with one global norm). Other validation still runs.
+
+    Args:
+        optimizers: an iterable of ``torch.optim.Optimizer``; those that are not
+            :class:`BookOptimizer` (``torch.optim``'s, which never check) are left alone.
+    """
+    books = [o for o in optimizers if isinstance(o, BookOptimizer)]
+    saved = [o.refuse_nonfinite_grads for o in books]
+    for o in books:
+        o.refuse_nonfinite_grads = False
+    try:
+        yield
+    finally:
+        for o, flag in zip(books, saved):
+            o.refuse_nonfinite_grads = flag
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -81,13 +166,89 @@ class BookOptimizer(torch.optim.Optimizer):
                     default = signature[key].default
                     group[key] = value if default is inspect.Parameter.empty else default
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load ``state_dict`` (from :meth:`state_dict`) into this optimizer, copying every tensor.
+    def _expected_state(self, p: torch.Tensor, group: dict) -> dict[str, tuple[tuple, torch.dtype, bool]]:
+        """The state tensors of ``p``: ``{key: (shape, dtype, required)}``; ``required`` keys must be in a
+        non-empty state (the step would fail without them), the others may be missing (created when needed).
+
+        The default: a ``momentum_buffer`` of ``p``'s shape and dtype, optional. Classes with other
+        state override it; :meth:`load_state_dict` checks a loaded state against it.
+        """
+        return {"momentum_buffer": (tuple(p.shape), p.dtype, False)}
+
+    def check_state_dict(self, state_dict) -> None:
+        """Check that ``state_dict`` fits this optimizer, writing nothing; :meth:`load_state_dict` calls it.
+
+        Checked: the layout (a dict with ``state`` and ``param_groups``), the number of groups and of
+        parameters in each, every parameter index once, every ``state`` key one of them, each group's
+        hyperparameters (as ``add_param_group`` checks them), and each state tensor's shape and dtype
+        against what this optimizer keeps for that parameter (:meth:`_expected_state`).
 
         Raises:
-            ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts differ).
+            ValueError: naming the group, the parameter index and the key that do not fit.
+            TypeError: a part of the dict has the wrong type.
         """
-        super().load_state_dict(copy.deepcopy(state_dict))
+        check_state_layout(self.param_groups, state_dict)
+        for gi, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            try:
+                self._check_hyperparameters(merged)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"Invalid state_dict: param_groups[{gi}]: {e}") from e
+            for pi, (index, p) in enumerate(zip(saved["params"], group["params"])):
+                state = state_dict["state"].get(index)
+                if not state:
+                    continue
+                of = f"(param_groups[{gi}]['params'][{pi}], shape {tuple(p.shape)})"
+                if not isinstance(state, dict):
+                    raise TypeError(f"Invalid state_dict: state[{index!r}] {of} is a {type(state).__name__}, "
+                                    "expected a dict")
+                for key, (shape, dtype, required) in self._expected_state(p, merged).items():
+                    value = state.get(key)
+                    where = f"state[{index!r}][{key!r}] {of}"
+                    if value is None:
+                        if required:
+                            raise ValueError(f"Invalid state_dict: state[{index!r}] {of} has no {key!r}")
+                        continue
+                    if not isinstance(value, torch.Tensor):
+                        raise TypeError(f"Invalid state_dict: {where} is a {type(value).__name__}, expected a tensor")
+                    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                        raise ValueError(f"Invalid state_dict: {where} has shape {tuple(value.shape)} and dtype "
+                                         f"{value.dtype}; this optimizer keeps shape {tuple(shape)}, dtype {dtype}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict`` (from :meth:`state_dict`) into this optimizer, all or nothing.
+
+        The whole dict is checked first (:meth:`check_state_dict`); on an error nothing has been
+        written. Every tensor is copied (the loaded optimizer never shares a tensor with the source) and
+        moved to its parameter's device, its dtype kept (already checked): ``torch.optim`` casts every
+        state tensor to the parameter's dtype, which would round a float32 statistic of a bfloat16
+        parameter (Shampoo's ``L``) to bfloat16. The load pre- and post-hooks run as in ``torch.optim``.
+
+        Raises:
+            ValueError, TypeError: as :meth:`check_state_dict`.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self.check_state_dict(state_dict)
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        id_map = {i: p for saved, group in zip(saved_groups, self.param_groups)
+                  for i, p in zip(saved["params"], group["params"])}
+        state: collections.defaultdict = collections.defaultdict(dict)
+        for index, value in state_dict["state"].items():
+            p = id_map[index]
+            state[p] = {k: v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for k, v in value.items()}
+        groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            groups.append(saved)
+        self.__setstate__({"state": state, "param_groups": groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     #: The real-valued hyperparameters (or pairs of them, like ``betas``) that may be given as one-element
     #: tensors; ``step`` reads each as a Python float. Integer and choice options are not in it.
@@ -110,16 +271,23 @@ class BookOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    #: Refuse non-finite gradients before any write. Set by optimizers whose state a NaN would poison
-    #: for good (Muon's normalisation, Shampoo's and SOAP's factors).
-    refuse_nonfinite_grads = False
+    #: Check the step's gradients for ``inf``/``NaN`` in ``step()`` (one reduction per device) and raise
+    #: :class:`~optbook.contract.NonFiniteGradientError` before any write: the step contract for an optimizer
+    #: without a loss scaler. A caller that has checked every gradient of the step once itself (the chain,
+    #: a wrapper) turns it off for the duration of its step with :func:`nonfinite_checked_by_caller`.
+    refuse_nonfinite_grads = True
 
     def _validate(self) -> None:
         """Check every group's hyperparameters and every gradient; raise before any write.
 
-        Non-finite gradients (when ``refuse_nonfinite_grads``) are found by one check over all the
-        gradients of the step (one device synchronisation per device, not one per tensor); only when it
-        fails are the tensors looked at one by one, to name the first offender.
+        Non-finite gradients (unless a caller checks them, :func:`nonfinite_checked_by_caller`) are found
+        by one check over all the gradients of the step (:func:`all_finite`: one device synchronisation
+        per device, not one per tensor); only when it fails are the tensors looked at one by one, to name
+        the first offender.
+
+        Raises:
+            NonFiniteGradientError: a gradient holds ``inf`` or ``NaN`` (named by group and index).
+            ValueError, TypeError: an invalid hyperparameter or gradient (shape, dtype, device, layout).
         """
         checked = []
         for gi, group in enumerate(self.param_groups):
@@ -132,10 +300,7 @@ class BookOptimizer(torch.optim.Optimizer):
                 if p.numel():
                     checked.append((where, p))
         if self.refuse_nonfinite_grads and checked and not all_finite([p.grad for _, p in checked]):
-            for where, p in checked:
-                if not bool(torch.isfinite(p.grad).all()):
-                    raise ValueError(f"Non-finite gradient in {where} (shape {tuple(p.shape)}): skip this step "
-                                     "(see the loss scaler); nothing was changed")
+            raise_nonfinite(checked)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -149,6 +314,8 @@ class BookOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
+            NonFiniteGradientError: a gradient holds ``inf`` or ``NaN`` (a ``ValueError``; the step
+                contract, :mod:`optbook.contract`); nothing has been modified.
             ValueError, TypeError: a hyperparameter or gradient is invalid (see the class
                 docstring); nothing has been modified when this happens.
         """

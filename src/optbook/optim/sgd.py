@@ -81,7 +81,9 @@ class SGD(BookOptimizer):
 
     Raises:
         ValueError: ``lr < 0``, ``momentum`` outside ``[0, 1)``, ``weight_decay < 0``, non-finite
-            values, ``nesterov=True`` with ``momentum=0``; a gradient of another shape or device.
+            values, ``nesterov=True`` with ``momentum=0``; a gradient of another shape or device; a
+            gradient holding ``inf``/``NaN`` (:class:`~optbook.contract.NonFiniteGradientError`, nothing
+            written).
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
             ``nesterov`` not a bool, ``foreach`` not ``None``/``True``/``False``.
     """

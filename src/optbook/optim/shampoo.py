@@ -100,7 +100,6 @@ class Shampoo(BookOptimizer):
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "beta2", "eps", "momentum", "weight_decay")
 
-    refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
     matrix_hint = MATRIX_HINT
 
     def __init__(self, params, lr: float = 1e-3, beta2: float = 1.0, eps: float = 1e-12, momentum: float = 0.0,
@@ -115,6 +114,11 @@ class Shampoo(BookOptimizer):
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
         check_precondition_frequency(group["precondition_frequency"])
         check_weight_decay(group["weight_decay"])
+
+    def _expected_state(self, p, group):
+        (m, n), work = p.shape, torch.promote_types(p.dtype, torch.float32)
+        return {"L": ((m, m), work, True), "R": ((n, n), work, True), "L_inv_root": ((m, m), work, False),
+                "R_inv_root": ((n, n), work, False), "momentum_buffer": ((m, n), work, False)}
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

@@ -123,7 +123,6 @@ class SOAP(BookOptimizer):
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "shampoo_beta", "eps", "weight_decay")
 
-    refuse_nonfinite_grads = True  # a NaN in L or R would surface later as an eigh failure
     matrix_hint = MATRIX_HINT
 
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
@@ -139,6 +138,11 @@ class SOAP(BookOptimizer):
         check_eps(group["eps"])
         check_precondition_frequency(group["precondition_frequency"])
         check_weight_decay(group["weight_decay"])
+
+    def _expected_state(self, p, group):
+        (m, n), work = p.shape, torch.promote_types(p.dtype, torch.float32)
+        return {"exp_avg": ((m, n), p.dtype, True), "exp_avg_sq": ((m, n), p.dtype, True), "L": ((m, m), work, True),
+                "R": ((n, n), work, True), "Q_L": ((m, m), work, False), "Q_R": ((n, n), work, False)}
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
