@@ -14,6 +14,7 @@ import argparse
 import statistics
 
 import torch
+from recording import save
 from torch.utils.benchmark import Timer
 
 from optbook.optim import Muon
@@ -59,12 +60,14 @@ def main() -> None:
 
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     n = sum(a * b for a, b in shapes)
-    print(f"Muon step, {len(shapes)} matrices ({n / 1e6:.1f}M parameters, width {args.width}), "
-          f"{args.threads} threads, median of {args.rounds} rounds")
+    lines = [f"Muon step, {len(shapes)} matrices ({n / 1e6:.1f}M parameters, width {args.width}), "
+             f"{args.threads} threads, median of {args.rounds} rounds"]
     for kind in kinds:
-        print(f"{kind:<8} {median[kind]:8.1f} ms/step")
+        lines.append(f"{kind:<8} {median[kind]:8.1f} ms/step")
     ratio = median["optbook"] / median["torch"]
-    print(f"optbook / torch = {ratio:.2f} ({'meets' if ratio <= 1.0 else 'MISSES'} the target <= 1.0)")
+    lines.append(f"optbook / torch = {ratio:.2f} ({'meets' if ratio <= 1.0 else 'MISSES'} the target <= 1.0)")
+    save("bench_muon", lines, threads=args.threads, rounds=args.rounds, ratio=round(ratio, 2),
+         ms_per_step={k: round(median[k], 1) for k in kinds})
 
 
 if __name__ == "__main__":
