@@ -106,6 +106,8 @@ def test_same_request_does_nothing_a_new_one_reinstalls(venv):
     rec = record(venv)
     assert rec["request"] == {"torch": "torch==2.13.0", "index": "https://download.example/whl/cu128"}
     assert rec["cuda"] == "12.8" and "CUDA 12.8 build" in out.stdout
+    out, log = run(venv, "--torch", "", "--index", "")  # empty (make's default): keep the recorded switch
+    assert len(log) == 2 and out.stdout == ""
 
 
 def test_existing_cpu_torch_without_a_record_is_kept(venv):

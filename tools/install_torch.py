@@ -35,6 +35,7 @@ from pathlib import Path
 
 CPU_INDEX = os.environ.get("OPTBOOK_TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
 RECORD_NAME = "torch-source"
+DEFAULT_TORCH = "torch==2.13.0"
 
 
 def reachable(url: str, timeout: float) -> tuple[bool, str]:
@@ -65,20 +66,25 @@ def installed(python: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def install(venv: Path, spec: str, index: str, timeout: float) -> dict:
+def install(venv: Path, spec: str | None, index: str | None, timeout: float) -> dict:
     """Install ``spec`` into ``venv`` from ``index`` (see the module docstring); return the record written.
 
+    ``spec`` or ``index`` None (or empty): what ``<venv>/torch-source`` recorded, else ``torch==2.13.0`` and
+    ``cpu``; so a switch made once (``make torch-cuda``) holds for every later ``make``.
+
     Raises:
-        SystemExit: pip failed on every index tried (the message names them).
+        SystemExit: pip failed on every index tried (the message names them), or ``index`` is invalid.
     """
     python = venv / "bin" / "python"
     record_path = venv / RECORD_NAME
-    request = {"torch": spec, "index": index}
-    if record_path.exists():
-        try:
-            old = json.loads(record_path.read_text())
-        except ValueError:
-            old = {}
+    try:
+        old = json.loads(record_path.read_text()) if record_path.exists() else None
+    except ValueError:
+        old = {}
+    previous = (old or {}).get("request", {})
+    request = {"torch": spec or previous.get("torch", DEFAULT_TORCH), "index": index or previous.get("index", "cpu")}
+    spec, index = request["torch"], request["index"]
+    if old is not None:
         if old.get("request") == request and old.get("version"):
             return old
     else:  # an environment made before this record existed: keep a CPU torch that fits the request
@@ -119,8 +125,8 @@ def install(venv: Path, spec: str, index: str, timeout: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=Path(".venv"), help="the virtual environment (default .venv)")
-    parser.add_argument("--torch", default="torch==2.13.0", help="pip requirement (default torch==2.13.0)")
-    parser.add_argument("--index", default="cpu", help="cpu (default), default, or an index URL")
+    parser.add_argument("--torch", default="", help="pip requirement (default: as recorded, else torch==2.13.0)")
+    parser.add_argument("--index", default="", help="cpu, default, or an index URL (default: as recorded, else cpu)")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for the CPU wheel index before using the default one (default 5)")
     args = parser.parse_args(argv)
