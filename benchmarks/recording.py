@@ -52,7 +52,8 @@ def describe(env: dict) -> str:
     """One line: ``environment: <cpu>, <n> cores, torch <v>, <t> threads, OMP_WAIT_POLICY=..., load ...``."""
     settings = ", ".join(f"{k}={v}" for k, v in env["env"].items() if v != "unset" or k == "OMP_WAIT_POLICY")
     load = env.get("load_average_1min")
-    return (f"environment: {env['cpu']}, {env['cores']} cores, torch {env['torch']}, {env['threads']} threads, "
+    return (f"environment: {env['cpu']}, {env['cores']} cores, torch {env['torch']}, "
+            f"{env['threads']} thread{'' if env['threads'] == 1 else 's'}, "
             f"{settings}" + ("" if load is None else f", load average {load}") + f" ({env['date']})")
 
 
