@@ -54,8 +54,10 @@ torch-cpu: $(VENV)/.installed
 
 # JupyterLab on the chapters, from the venv (installed on first use: the `lab` extra of pyproject.toml).
 # LAB=book/06_muon.ipynb opens another chapter; the kernel is the venv's Python.
+# JupyterLab refuses to run as root (containers) unless told.
+LAB_FLAGS = $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: setup $(VENV)/.lab
-	$(RUN) $(BIN)/jupyter lab $(LAB)
+	$(RUN) $(BIN)/jupyter lab $(LAB_FLAGS) $(LAB)
 
 $(VENV)/.lab: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
