@@ -206,8 +206,18 @@ def run_snippet(source, tmp_path, monkeypatch):
     return namespace, out.getvalue()
 
 
+CHECKED_BELOW = ("weight_decay_param_groups", "ChainedOptimizer(")  # the snippets with their own tests
+
+
+def test_every_other_python_snippet_runs(tmp_path, monkeypatch):
+    snippets = blocks("python")
+    assert all(sum(k in b for b in snippets) == 1 for k in CHECKED_BELOW), "the package quick start's snippets"
+    for source in [b for b in snippets if not any(k in b for k in CHECKED_BELOW)]:
+        run_snippet(source, tmp_path, monkeypatch)
+
+
 def test_adamw_snippet_runs(tmp_path, monkeypatch):
-    source = next(b for b in blocks("python") if "weight_decay_param_groups" in b)
+    source = next(b for b in blocks("python") if CHECKED_BELOW[0] in b)
     ns, _ = run_snippet(source, tmp_path, monkeypatch)
     decays = {id(p): g["weight_decay"] for g in ns["opt"].param_groups for p in g["params"]}
     model = ns["model"]
@@ -216,7 +226,7 @@ def test_adamw_snippet_runs(tmp_path, monkeypatch):
 
 
 def test_muon_adamw_loop_trains_and_its_checkpoint_resumes(tmp_path, monkeypatch):
-    source = next(b for b in blocks("python") if "ChainedOptimizer" in b)
+    source = next(b for b in blocks("python") if CHECKED_BELOW[1] in b)
     assert len(source.strip().splitlines()) <= 25
     ns, printed = run_snippet(source, tmp_path, monkeypatch)
     model, opt, sched = ns["model"], ns["opt"], ns["sched"]
