@@ -1,5 +1,5 @@
-# The two commands of the README: `make book` (set up + build the book) and `make test`.
-# Both create .venv on first use and are safe to re-run.
+# The README's commands: `make book` (set up + build the book), `make test`, `make lab`, and the rest below.
+# Every target creates .venv on first use and is safe to re-run.
 PYTHON  ?= python3
 VENV    ?= .venv
 # Which torch goes into .venv (tools/install_torch.py; the outcome is in .venv/torch-source). Empty: what
@@ -59,7 +59,7 @@ LAB_FLAGS = $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: setup $(VENV)/.lab
 	$(RUN) $(BIN)/jupyter lab $(LAB_FLAGS) $(LAB)
 
-$(VENV)/.lab: pyproject.toml
+$(VENV)/.lab: $(VENV)/.installed pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	touch $@
 
