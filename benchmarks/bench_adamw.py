@@ -8,7 +8,7 @@ The memory-traffic floor: an AdamW step must read p, g, m, v and write p, m, v -
 28 bytes per parameter. Dividing that by the bandwidth of a plain ``copy_`` of a buffer of the same
 size (8 bytes per element moved) gives the time no implementation can beat by much.
 
-Run: ``make bench`` (or ``python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Checks before timing: the compiled trajectory equals the eager one to float32 ro
 with a new ``lr`` (as a scheduler does) and a new step count compiles nothing new (Dynamo's
 ``error_on_recompile``). Target: compiled optbook at most 1.2x the time of ``fused=True``.
 
-Run: ``python benchmarks/bench_compiled_step.py --rounds 5 --threads 2`` (the first step compiles: tens
-of seconds).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_compiled_step.py --rounds 5 --threads 2``;
+the first step compiles: tens of seconds, minutes on 2 busy cores).
 """
 
 from __future__ import annotations

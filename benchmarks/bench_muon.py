@@ -5,7 +5,7 @@ d x 4d), float32 parameters, Newton–Schulz in bf16 for both, the same gradient
 interleaved rounds timed with ``torch.utils.benchmark``. ``optbook`` stacks same-shaped matrices and
 orthogonalises each stack in one batched call; ``torch.optim.Muon`` loops over matrices.
 
-Run: ``make bench`` (or ``python benchmarks/bench_muon.py --rounds 5``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_muon.py --rounds 5``).
 """
 
 from __future__ import annotations

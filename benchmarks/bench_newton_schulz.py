@@ -5,7 +5,7 @@ present, else the small CPU shapes, seconds on 2 cores), then prints one table -
 the FLOP model and the fraction of a plain matmul's rate measured in the same run and dtype -- with the
 environment line, and records both in ``benchmarks/results/bench_newton_schulz.json``.
 
-Run: ``make bench`` (or ``python benchmarks/bench_newton_schulz.py --device cpu``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_newton_schulz.py --device cpu``).
 """
 
 from __future__ import annotations

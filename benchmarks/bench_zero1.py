@@ -30,7 +30,7 @@ Targets (issue "ZeRO-1 and distributed Muon"): state bytes per rank = 12P/DP (+ 
 parameters with float32 masters (8P/DP for float32 parameters, which are their own masters); time at most
 0.8x ZeroRedundancyOptimizer's default mode and at most 1.0x its bucket-view mode.
 
-Run: ``make bench`` (or ``python benchmarks/bench_zero1.py --rounds 5 --steps 3``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_zero1.py --rounds 5 --steps 3``).
 """
 
 from __future__ import annotations

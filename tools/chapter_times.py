@@ -9,10 +9,11 @@ measured on. Each chapter's first Markdown cell carries one line derived from it
 
 ``tests/test_chapter_times.py`` checks that every header agrees with the record, that every chapter has
 been measured, and that every recorded time fits ``BUDGET`` (chapters allowed over it are listed there with
-the reason; one that is re-measured under the budget simply passes). Re-measure after a chapter changes (minutes for the whole book on 2 cores)::
+the reason; one that is re-measured under the budget simply passes). Re-measure after a chapter changes
+(minutes for the whole book on 2 cores)::
 
-    python tools/chapter_times.py --measure [book/05_newton_schulz.ipynb ...]   # update runtimes.json
-    python tools/chapter_times.py --write                                       # headers from runtimes.json
+    .venv/bin/python tools/chapter_times.py --measure [book/05_newton_schulz.ipynb ...]   # update runtimes.json
+    .venv/bin/python tools/chapter_times.py --write                                       # headers from runtimes.json
 
 Headers are edited as Markdown text: outputs stay as they are, so no re-execution is needed.
 """
