@@ -22,6 +22,18 @@ OVER_BUDGET = {"07_muon_at_scale": "its training runs back swept claims (a cut n
                "08_muonclip": "its training runs back swept claims (a cut needs a new sweep)"}
 
 
+@pytest.mark.parametrize("path", chapter_times.chapters(), ids=lambda p: p.name)
+def test_header_states_the_measured_run_time(path):
+    assert path.stem in RECORD, (
+        f"{path.name} was never measured: .venv/bin/python tools/chapter_times.py --measure {path}")
+    entry = RECORD[path.stem]
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    first = "".join(next(c for c in nb["cells"] if c["cell_type"] == "markdown")["source"])
+    assert first == chapter_times.expected_first_cell(first, entry), (
+        f"{path.name}: header disagrees with book/runtimes.json; "
+        "run .venv/bin/python tools/chapter_times.py --write")
+
+
 def over_budget(path):
     return RECORD.get(path.stem, {}).get("seconds", 0) > BUDGET
 
