@@ -48,8 +48,8 @@ RECORDS = ROOT / "records"
 BLOCK_RE = re.compile(r"(<!-- numbers:(?P<key>[\w:-]+) -->\n)(?P<body>.*?)(<!-- /numbers:(?P=key) -->)", re.S)
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tools")]
 from chapter_times import BUDGET  # noqa: E402  (the chapters' run-time budget, one copy)
-from set_repository_url import config_url  # noqa: E402
 from recording import describe  # noqa: E402  (the benchmarks' environment line, one copy)
+from set_repository_url import config_url  # noqa: E402
 
 
 def load(path: Path) -> dict:
