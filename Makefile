@@ -118,10 +118,12 @@ sweep: setup
 	$(BIN)/python sweeps/run.py $(NB)
 
 # Every benchmark under the environment of every other target ($(RUN)); each prints that environment
-# above its table and records both in benchmarks/results/NAME.json (then: tools/readme_numbers.py --write).
+# above its table and records both in benchmarks/results/NAME.json; then the README's tables are rewritten
+# from the records (tools/readme_numbers.py).
 BENCHMARKS := bench_adamw bench_muon bench_zero1 bench_compiled_step bench_newton_schulz
 bench: setup
 	$(foreach b,$(BENCHMARKS),$(RUN) $(BIN)/python benchmarks/$(b).py &&) true
+	$(BIN)/python tools/readme_numbers.py --write
 
 clean:
 	rm -rf _build .pytest_cache
