@@ -81,13 +81,15 @@ student: setup
 	  $(BIN)/jupyter-book build _build/student/src --path-output _build/student --warningiserror --keep-going
 
 # The whole book as one PDF without LaTeX: the single-page HTML build, typeset by MathJax and printed by
-# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf.
+# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf; its page
+# and formula counts go to records/pdf.json and the README.
 pdf: setup
 	mkdir -p _build
 	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build . --config _build/_config.yml --builder singlehtml --warningiserror --keep-going
 	$(BIN)/python tools/build_pdf.py
+	$(BIN)/python tools/readme_numbers.py --write
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
