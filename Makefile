@@ -1,10 +1,18 @@
-# The two commands of the README: `make book` (set up + build the book) and `make test`.
-# Both create .venv on first use and are safe to re-run.
+# The README's commands: `make book` (set up + build the book), `make test`, `make lab`, and the rest below.
+# Every target creates .venv on first use and is safe to re-run.
 PYTHON  ?= python3
 VENV    ?= .venv
-TORCH   ?= torch==2.13.0
+# Which torch goes into .venv (tools/install_torch.py; the outcome is in .venv/torch-source). Empty: what
+# .venv/torch-source recorded, else torch==2.13.0 from PyTorch's CPU wheel index (pip's default index when
+# that does not answer). A new value re-installs torch into an existing .venv: `make TORCH="torch>=2.9" setup`,
+# `make torch-cuda` (PyPI's build, CUDA on Linux x86-64) or `make torch-cuda CUDA_INDEX=<PyTorch index URL>`.
+TORCH       ?=
+TORCH_INDEX ?=
+CUDA_INDEX  ?= default
 BIN     := $(VENV)/bin
 NB      ?= book/*.ipynb
+# What `make lab` opens (a notebook or a folder).
+LAB     ?= book/00_preface.ipynb
 # Parallel pytest workers (pytest-xdist); every notebook runs whole on one worker.
 JOBS    ?= 2
 # `make book EXECUTE=force` re-executes every notebook while building (default: build from stored outputs).
@@ -19,15 +27,40 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup book student pdf test site-test nbval portability notebooks bench sweep clean
+.PHONY: setup torch-cuda torch-cpu lab book student pdf test site-test nbval portability notebooks bench \
+        sweep clean
 
+INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(TORCH)" --index "$(TORCH_INDEX)"
+
+# The venv, torch and requirements.txt; then torch again when TORCH/TORCH_INDEX asks for another build
+# (nothing happens when .venv/torch-source already records the request).
 setup: $(VENV)/.installed
+	@$(INSTALL_TORCH)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(INSTALL_TORCH)
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	touch $@
+
+# Switch the torch of an existing .venv: PyPI's build (CUDA on Linux x86-64) or CUDA_INDEX=<index URL>,
+# and back to the CPU build. The choice is recorded in .venv/torch-source and kept by later `make` runs.
+torch-cuda: $(VENV)/.installed
+	$(MAKE) setup TORCH_INDEX=$(CUDA_INDEX)
+
+torch-cpu: $(VENV)/.installed
+	$(MAKE) setup TORCH_INDEX=cpu
+
+# JupyterLab on the chapters, from the venv (installed on first use: the `lab` extra of pyproject.toml).
+# LAB=book/06_muon.ipynb opens another chapter; the kernel is the venv's Python.
+# JupyterLab refuses to run as root (containers) unless told.
+LAB_FLAGS = $(if $(filter 0,$(shell id -u)),--allow-root)
+lab: setup $(VENV)/.lab
+	$(RUN) $(BIN)/jupyter lab $(LAB_FLAGS) $(LAB)
+
+$(VENV)/.lab: $(VENV)/.installed pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	touch $@
 
 # Builds the HTML from the notebooks' stored outputs (fast; no kernel difference can fail it). Any Sphinx
@@ -48,13 +81,15 @@ student: setup
 	  $(BIN)/jupyter-book build _build/student/src --path-output _build/student --warningiserror --keep-going
 
 # The whole book as one PDF without LaTeX: the single-page HTML build, typeset by MathJax and printed by
-# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf.
+# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf; its page
+# and formula counts go to records/pdf.json and the README.
 pdf: setup
 	mkdir -p _build
 	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build . --config _build/_config.yml --builder singlehtml --warningiserror --keep-going
 	$(BIN)/python tools/build_pdf.py
+	$(BIN)/python tools/readme_numbers.py --write
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
 test: setup
@@ -84,10 +119,13 @@ notebooks: setup
 sweep: setup
 	$(BIN)/python sweeps/run.py $(NB)
 
+# Every benchmark under the environment of every other target ($(RUN)); each prints that environment
+# above its table and records both in benchmarks/results/NAME.json; then the README's tables are rewritten
+# from the records (tools/readme_numbers.py).
+BENCHMARKS := bench_adamw bench_muon bench_zero1 bench_compiled_step bench_newton_schulz
 bench: setup
-	$(BIN)/python benchmarks/bench_adamw.py
-	$(BIN)/python benchmarks/bench_muon.py
-	$(RUN) $(BIN)/python benchmarks/bench_zero1.py
+	$(foreach b,$(BENCHMARKS),$(RUN) $(BIN)/python benchmarks/$(b).py &&) true
+	$(BIN)/python tools/readme_numbers.py --write
 
 clean:
 	rm -rf _build .pytest_cache

@@ -8,7 +8,7 @@ The memory-traffic floor: an AdamW step must read p, g, m, v and write p, m, v -
 28 bytes per parameter. Dividing that by the bandwidth of a plain ``copy_`` of a buffer of the same
 size (8 bytes per element moved) gives the time no implementation can beat by much.
 
-Run: ``make bench`` (or ``python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import statistics
 
 import torch
+from recording import save
 from torch.utils.benchmark import Timer
 
 from optbook.optim import AdamW
@@ -80,18 +81,21 @@ def main() -> None:
     bandwidth = 8 * numel / (median["copy"] / 1e3)  # bytes per second moved by copy_
     floor_ms = 28 * numel / bandwidth * 1e3
     baseline = min(median["torch for-loop"], median["torch foreach"])
-    print(f"AdamW step, {numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, "
-          f"{args.threads} threads, median of {args.rounds} rounds")
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> memory-traffic floor {floor_ms:.1f} ms "
-          "(28 bytes per parameter)")
-    print(f"{'implementation':<16} {'ms/step':>8} {'vs optbook':>11} {'vs floor':>9}")
+    lines = [f"AdamW step, {numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, "
+             f"{args.threads} threads, median of {args.rounds} rounds",
+             f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> memory-traffic floor {floor_ms:.1f} ms "
+             "(28 bytes per parameter)",
+             f"{'implementation':<16} {'ms/step':>8} {'vs optbook':>11} {'vs floor':>9}"]
     for kind in kinds:
-        print(f"{kind:<16} {median[kind]:8.1f} {median[kind] / median['optbook']:10.2f}x "
-              f"{median[kind] / floor_ms:8.2f}x")
+        lines.append(f"{kind:<16} {median[kind]:8.1f} {median[kind] / median['optbook']:10.2f}x "
+                     f"{median[kind] / floor_ms:8.2f}x")
     ratio = median["optbook"] / baseline
     verdict = "meets" if ratio <= 1.0 else "MISSES"
-    print(f"optbook / faster of torch for-loop and foreach = {ratio:.2f} ({verdict} the target <= 1.0); "
-          f"gap to fused {median['optbook'] / median['torch fused']:.2f}x, to the floor {median['optbook'] / floor_ms:.2f}x")
+    lines.append(f"optbook / faster of torch for-loop and foreach = {ratio:.2f} ({verdict} the target <= 1.0); "
+                 f"gap to fused {median['optbook'] / median['torch fused']:.2f}x, "
+                 f"to the floor {median['optbook'] / floor_ms:.2f}x")
+    save("bench_adamw", lines, threads=args.threads, rounds=args.rounds, ratio=round(ratio, 2),
+         ms_per_step={k: round(median[k], 1) for k in kinds})
 
 
 if __name__ == "__main__":

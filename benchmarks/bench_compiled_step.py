@@ -10,8 +10,8 @@ Checks before timing: the compiled trajectory equals the eager one to float32 ro
 with a new ``lr`` (as a scheduler does) and a new step count compiles nothing new (Dynamo's
 ``error_on_recompile``). Target: compiled optbook at most 1.2x the time of ``fused=True``.
 
-Run: ``python benchmarks/bench_compiled_step.py --rounds 5 --threads 2`` (the first step compiles: tens
-of seconds).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_compiled_step.py --rounds 5 --threads 2``;
+the first step compiles: tens of seconds, minutes on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 
 import torch
 from bench_adamw import transformer_shapes
+from recording import save
 from torch.utils.benchmark import Timer
 
 from optbook.optim import AdamW, compiled_step
@@ -81,16 +82,18 @@ def main() -> None:
                 times[kind].append(timer.timeit(5).median)
 
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"AdamW step, {numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, "
-          f"{args.threads} threads, median of {args.rounds} rounds; first compiled step (compiling) "
-          f"{compile_seconds:.0f} s")
-    print(f"{'implementation':<18} {'ms/step':>8} {'vs fused':>9}")
+    lines = [f"AdamW step, {numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, "
+             f"{args.threads} threads, median of {args.rounds} rounds; first compiled step (compiling) "
+             f"{compile_seconds:.0f} s",
+             f"{'implementation':<18} {'ms/step':>8} {'vs fused':>9}"]
     for kind in kinds:
-        print(f"{kind:<18} {median[kind]:8.1f} {median[kind] / median['torch fused']:8.2f}x")
+        lines.append(f"{kind:<18} {median[kind]:8.1f} {median[kind] / median['torch fused']:8.2f}x")
     ratio = median["optbook compiled"] / median["torch fused"]
     verdict = "meets" if ratio <= 1.2 else "MISSES"
-    print(f"optbook compiled / torch fused = {ratio:.2f} ({verdict} the target <= 1.2); "
-          f"compiled / eager = {median['optbook compiled'] / median['optbook eager']:.2f}")
+    lines.append(f"optbook compiled / torch fused = {ratio:.2f} ({verdict} the target <= 1.2); "
+                 f"compiled / eager = {median['optbook compiled'] / median['optbook eager']:.2f}")
+    save("bench_compiled_step", lines, threads=args.threads, rounds=args.rounds, ratio=round(ratio, 2),
+         compile_seconds=round(compile_seconds), ms_per_step={k: round(median[k], 1) for k in kinds})
 
 
 if __name__ == "__main__":

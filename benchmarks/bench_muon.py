@@ -6,7 +6,7 @@ interleaved rounds timed with ``torch.utils.benchmark``. ``optbook`` stacks same
 orthogonalises each stack in one batched call; ``torch.optim.Muon`` loops over matrices.
 ``optbook-auto`` adds ``ns_algorithm="auto"``: Gram Newton–Schulz for the 4:1 MLP matrices.
 
-Run: ``make bench`` (or ``python benchmarks/bench_muon.py --rounds 5``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_muon.py --rounds 5``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import statistics
 
 import torch
+from recording import save
 from torch.utils.benchmark import Timer
 
 from optbook.optim import Muon
@@ -63,13 +64,17 @@ def main() -> None:
 
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     n = sum(a * b for a, b in shapes)
-    print(f"Muon step, {len(shapes)} matrices ({n / 1e6:.1f}M parameters, width {args.width}), "
-          f"{args.threads} threads, median of {args.rounds} rounds")
+    lines = [f"Muon step, {len(shapes)} matrices ({n / 1e6:.1f}M parameters, width {args.width}), "
+             f"{args.threads} threads, median of {args.rounds} rounds"]
     for kind in kinds:
-        print(f"{kind:<12} {median[kind]:8.1f} ms/step")
+        lines.append(f"{kind:<12} {median[kind]:8.1f} ms/step")
+    ratios = {}
     for kind in ("optbook", "optbook-auto"):
-        ratio = median[kind] / median["torch"]
-        print(f"{kind} / torch = {ratio:.2f} ({'meets' if ratio <= 1.0 else 'MISSES'} the target <= 1.0)")
+        ratios[kind] = median[kind] / median["torch"]
+        lines.append(f"{kind} / torch = {ratios[kind]:.2f} "
+                     f"({'meets' if ratios[kind] <= 1.0 else 'MISSES'} the target <= 1.0)")
+    save("bench_muon", lines, threads=args.threads, rounds=args.rounds, ratio=round(ratios["optbook"], 2),
+         ratio_auto=round(ratios["optbook-auto"], 2), ms_per_step={k: round(median[k], 1) for k in kinds})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ Targets (issue "ZeRO-1 and distributed Muon"): state bytes per rank = 12P/DP (+ 
 parameters with float32 masters (8P/DP for float32 parameters, which are their own masters); time at most
 0.8x ZeroRedundancyOptimizer's default mode and at most 1.0x its bucket-view mode.
 
-Run: ``make bench`` (or ``python benchmarks/bench_zero1.py --rounds 5 --steps 3``).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_zero1.py --rounds 5 --steps 3``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from recording import save
 
 from optbook.distributed import DistributedOptimizer, launch
 
@@ -173,26 +174,30 @@ def main() -> None:
         assert diff < 1e-6, f"{kind} diverged from plain AdamW by {diff} after one step"
     median = {k: statistics.median(out[0]["times"][k]) * 1e3 for k in KINDS}  # the same on every rank
     zd, zb = median["ZeRO default"], median["ZeRO bucket view"]
-    print(f"ZeRO-1 step (gradient sync + optimizer step + parameter sync), {d} gloo processes, 1 thread each")
-    print(f"{numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, median of {args.rounds} rounds "
-          f"of {args.steps} steps (slowest rank)")
-    print(f"{'implementation':<26} {'ms/step':>8} {'vs ZeRO default':>16} {'vs ZeRO bucket view':>20}")
+    lines = [f"ZeRO-1 step (gradient sync + optimizer step + parameter sync), {d} gloo processes, 1 thread each",
+             f"{numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, median of {args.rounds} rounds "
+             f"of {args.steps} steps (slowest rank)",
+             f"{'implementation':<26} {'ms/step':>8} {'vs ZeRO default':>16} {'vs ZeRO bucket view':>20}"]
     for kind in KINDS:
-        print(f"{kind:<26} {median[kind]:8.1f} {median[kind] / zd:15.2f}x {median[kind] / zb:19.2f}x")
-    print(f"optimizer-state bytes per rank (float32 parameters; ideal 8P/{d} = {8 * numel / d:,.0f}):")
+        lines.append(f"{kind:<26} {median[kind]:8.1f} {median[kind] / zd:15.2f}x {median[kind] / zb:19.2f}x")
+    lines.append(f"optimizer-state bytes per rank (float32 parameters; ideal 8P/{d} = {8 * numel / d:,.0f}):")
     for kind in ("ours (optbook AdamW)", "ZeRO default", "DDP-style (no sharding)"):
-        print(f"  {kind:<24} " + ", ".join(f"rank {r}: {o['state'][kind]:,}" for r, o in enumerate(out)))
-    print(f"  padding elements per rank (ours): {[o['padding'] for o in out]}")
+        lines.append(f"  {kind:<24} " + ", ".join(f"rank {r}: {o['state'][kind]:,}" for r, o in enumerate(out)))
+    lines.append(f"  padding elements per rank (ours): {[o['padding'] for o in out]}")
     bf16 = [o["bf16_state"] for o in out]
-    print(f"bfloat16 parameters, float32 master + m + v per rank (ours): "
-          f"{', '.join(f'rank {r}: {b:,}' for r, b in enumerate(bf16))}; 12P/{d} = {12 * numel / d:,.0f} "
-          f"(max / ideal = {max(bf16) / (12 * numel / d):.4f})")
+    lines.append(f"bfloat16 parameters, float32 master + m + v per rank (ours): "
+                 f"{', '.join(f'rank {r}: {b:,}' for r, b in enumerate(bf16))}; 12P/{d} = {12 * numel / d:,.0f} "
+                 f"(max / ideal = {max(bf16) / (12 * numel / d):.4f})")
     ours = min(median["ours (optbook AdamW)"], median["ours (torch AdamW)"])
+    ratios = {}
     for name, ratio, bound in (("ZeRO default", median["ours (optbook AdamW)"] / zd, 0.8),
                                ("ZeRO bucket view", median["ours (optbook AdamW)"] / zb, 1.0)):
         verdict = "meets" if ratio <= bound else "MISSES"
-        print(f"ours (optbook AdamW) / {name} = {ratio:.2f} ({verdict} the target <= {bound})")
-    print(f"best of ours / ZeRO default = {ours / zd:.2f}, / ZeRO bucket view = {ours / zb:.2f}")
+        lines.append(f"ours (optbook AdamW) / {name} = {ratio:.2f} ({verdict} the target <= {bound})")
+        ratios[name] = round(ratio, 2)
+    lines.append(f"best of ours / ZeRO default = {ours / zd:.2f}, / ZeRO bucket view = {ours / zb:.2f}")
+    save("bench_zero1", lines, threads=1, rounds=args.rounds, processes=d, ratios=ratios,
+         ms_per_step={k: round(median[k], 1) for k in KINDS})
 
 
 if __name__ == "__main__":

@@ -14,28 +14,52 @@ spec.loader.exec_module(chapter_times)
 RECORD = json.loads(chapter_times.RECORD.read_text())
 
 
-BUDGET = 120  # seconds: every chapter within two minutes on a 2-core CPU without a GPU
-# Chapters measured over the budget. Their training runs are what the swept claims rest on, so cutting
-# them means a new sweep; until then the test records the overrun (strict: it fails once they fit).
-OVER_BUDGET = {"07_muon_at_scale": "129 s on 2026-12-02", "08_muonclip": "130 s on 2026-12-02"}
+BUDGET = chapter_times.BUDGET
+# Chapters allowed over the budget, with the reason. Their training runs are what the swept claims rest
+# on, so cutting them means a new sweep. The allowance applies only while the record is over the budget:
+# a chapter re-measured under it passes like any other, and one not listed here fails when it goes over.
+OVER_BUDGET = {"07_muon_at_scale": "its training runs back swept claims (a cut needs a new sweep)",
+               "08_muonclip": "its training runs back swept claims (a cut needs a new sweep)"}
 
 
 @pytest.mark.parametrize("path", chapter_times.chapters(), ids=lambda p: p.name)
 def test_header_states_the_measured_run_time(path):
-    assert path.stem in RECORD, f"{path.name} was never measured: python tools/chapter_times.py --measure {path}"
+    assert path.stem in RECORD, (
+        f"{path.name} was never measured: .venv/bin/python tools/chapter_times.py --measure {path}")
     entry = RECORD[path.stem]
     nb = json.loads(path.read_text(encoding="utf-8"))
     first = "".join(next(c for c in nb["cells"] if c["cell_type"] == "markdown")["source"])
     assert first == chapter_times.expected_first_cell(first, entry), (
-        f"{path.name}: header disagrees with book/runtimes.json; run python tools/chapter_times.py --write")
+        f"{path.name}: header disagrees with book/runtimes.json; "
+        "run .venv/bin/python tools/chapter_times.py --write")
+
+
+def over_budget(path):
+    return RECORD.get(path.stem, {}).get("seconds", 0) > BUDGET
 
 
 @pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=f"over the 2-minute budget: {OVER_BUDGET[p.stem]}"))
+    pytest.param(p, marks=pytest.mark.xfail(
+        over_budget(p), strict=True,
+        reason=f"{RECORD[p.stem]['seconds'] if p.stem in RECORD else '?'} s, over the {BUDGET} s budget: "
+               f"{OVER_BUDGET[p.stem]}"))
     if p.stem in OVER_BUDGET else p for p in chapter_times.chapters()], ids=lambda p: p.name)
 def test_chapter_fits_the_budget(path):
     seconds = RECORD[path.stem]["seconds"]
     assert seconds <= BUDGET, f"{path.name} took {seconds} s (budget: {BUDGET} s)"
+
+
+def test_remeasuring_under_the_budget_passes(monkeypatch):
+    """A listed chapter whose new record fits the budget is no longer expected to fail (no strict XPASS)."""
+    listed = sorted(OVER_BUDGET)[0]
+    path = next(p for p in chapter_times.chapters() if p.stem == listed)
+    monkeypatch.setitem(RECORD, listed, {**RECORD[listed], "seconds": 58.0})
+    assert not over_budget(path)
+    test_chapter_fits_the_budget(path)
+    monkeypatch.setitem(RECORD, listed, {**RECORD[listed], "seconds": BUDGET + 10.0})
+    assert over_budget(path)
+    with pytest.raises(AssertionError, match="budget"):
+        test_chapter_fits_the_budget(path)
 
 
 def test_rounding():

@@ -145,7 +145,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{args.out}: {result['bytes'] / 1e6:.1f} MB; {result['typeset']} formulas typeset "
           f"in {result['seconds_to_typeset']} s")
+    record(args.out, result)
     return 0
+
+
+def record(pdf: Path, result: dict, path: Path = ROOT / "records" / "pdf.json") -> None:
+    """Keep what the README quotes about the PDF (pages, formulas, seconds, chapters) in ``records/pdf.json``."""
+    import datetime
+    import json
+    import os
+    import re
+
+    pages = len(re.findall(rb"/Type\s*/Page(?![a-zA-Z])", pdf.read_bytes()))
+    chapters = sorted({m for m in re.findall(r"book/(\w+)", (ROOT / "_toc.yml").read_text())})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pages": pages, "formulas": result["typeset"],
+                                "seconds_to_typeset": result["seconds_to_typeset"], "notebooks": len(chapters),
+                                "date": datetime.date.today().isoformat(), "cores": os.cpu_count()}, indent=1) + "\n")
+    print(f"{pages} pages, {result['typeset']} formulas; recorded in {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
