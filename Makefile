@@ -27,7 +27,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: setup torch-cuda torch-cpu lab book student pdf test site-test nbval portability notebooks bench \
+.PHONY: gpu-check setup torch-cuda torch-cpu lab book student pdf test site-test nbval portability notebooks bench \
         sweep clean
 
 INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(TORCH)" --index "$(TORCH_INDEX)"
@@ -129,3 +129,19 @@ bench: setup
 
 clean:
 	rm -rf _build .pytest_cache
+
+# One prepared check for a machine with a CUDA GPU (a CUDA build of torch: `make torch-cuda`): Newton-Schulz
+# TFLOP/s against the measured bf16 matmul rate, the symmetric Gram kernel against bmm, Gram against standard
+# Newton-Schulz (tools/gpu_check.py: _build/gpu_check.json and one verdict line), nbval of chapters 5, 6 and 15
+# on the GPU, and the ZeRO-1 demo over NCCL under torchrun on every visible GPU. `make gpu-check DRY_RUN=1`
+# runs the same script end to end on a CPU with small shapes and no verdict (CI runs it).
+DRY_RUN ?=
+gpu-check: setup
+	mkdir -p _build
+ifeq ($(DRY_RUN),1)
+	$(RUN) $(BIN)/python tools/gpu_check.py --dry-run --json _build/gpu_check.json
+else
+	$(RUN) $(BIN)/python tools/gpu_check.py --json _build/gpu_check.json
+	$(RUN) $(PYTEST) book/05_newton_schulz.ipynb book/06_muon.ipynb book/15_fast_newton_schulz.ipynb
+	$(RUN) $(BIN)/torchrun --nproc_per_node=$$(nvidia-smi -L | wc -l) -m optbook.distributed.demo --steps 50 --bf16
+endif
