@@ -62,7 +62,10 @@ def check_orthogonalisation(group: dict) -> None:
     Raises:
         ValueError: a bad schedule or ``scale_mode``; TypeError: ``ns_dtype`` not a matmul dtype.
     """
-    ns_schedule(group["coefficients"], group["ns_steps"])
+    try:
+        ns_schedule(group["coefficients"], group["ns_steps"])
+    except ValueError as e:  # name the optimizer's argument, not the schedule's
+        raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
     muon_scale((1, 1), group["scale_mode"])
     check_number("extra_scale_factor", group["extra_scale_factor"])
     if group["ns_dtype"] not in NS_DTYPES:
