@@ -8,8 +8,21 @@ import pytest
 import torch
 
 from optbook.contract import NonFiniteGradientError, elementwise
-from optbook.optim import (SGD, AdaMuon, Dion, Lion, Muon, NorMuon, ScheduleFreeAdamW, Scion, adamuon, dion, normuon,
-                           schedule_free_adamw, scion)
+from optbook.optim import (
+    SGD,
+    AdaMuon,
+    Dion,
+    Lion,
+    Muon,
+    NorMuon,
+    ScheduleFreeAdamW,
+    Scion,
+    adamuon,
+    dion,
+    normuon,
+    schedule_free_adamw,
+    scion,
+)
 from optbook.optim.dion import dion_rank
 from optbook.optim.schedule_free import schedule_free_weight
 

@@ -16,13 +16,13 @@ import importlib.metadata
 import math
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 
-from optbook.optim import SGD, AdaMuon, Adafactor, Adam, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW
+from optbook.optim import SGD, Adafactor, Adam, AdaMuon, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW
 
 STEPS = 50
 TOL = 1e-12

@@ -29,7 +29,15 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, write_back
-from ._validation import check_betas, check_bool, check_eps, check_int, check_lr, check_number, check_weight_decay
+from ._validation import (
+    check_betas,
+    check_bool,
+    check_eps,
+    check_int,
+    check_lr,
+    check_number,
+    check_weight_decay,
+)
 from .optimizer import BookOptimizer
 
 __all__ = ["ScheduleFreeAdamW", "schedule_free_adamw", "schedule_free_weight"]
