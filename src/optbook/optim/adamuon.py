@@ -1,0 +1,144 @@
+"""AdaMuon: an element-wise second moment on Muon's orthogonalised update. Explained in chapter 18.
+
+Source: Si, Zhang & Shen (2025), "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005, Algorithm 1; the
+authors' code Chongjie-Si/AdaMuon commit 3b84e03186b7c58a5e4bf70175896bea7f4c5d4f ``adamuon.py`` (EMA
+momentum with Nesterov, ``v`` with bias correction, ``eps`` outside the root, the rescale to
+``sqrt(min(m, n)) / (||.||_F + eps)`` and the step ``lr * 0.2 * sqrt(max(m, n))``). Read alongside
+NVIDIA-NeMo/Emerging-Optimizers ``adaptive_muon.py`` (``moment2_method="adamuon"``, no bias correction)
+and pytorch-optimizer 4.1.0 ``AdaMuon`` (no Nesterov).
+
+Derivation. Adam divides each coordinate of the momentum by the RMS of its history; Muon replaces the
+momentum by its polar factor ``O``, whose entries all have RMS ``1/sqrt(max(m, n))`` on average but not
+one by one. AdaMuon applies Adam's second moment to ``O`` itself, then restores a fixed overall size so
+that the learning rate keeps Muon's (or AdamW's) meaning::
+
+    M <- lerp(M, G, 1 - momentum);  D = lerp(G, M, momentum) if nesterov else M    (Muon, chapter 6)
+    O <- newton_schulz(D)                                   (m, n) = (fan_out, fan_in)
+    v <- beta2 v + (1 - beta2) O * O                        element-wise, (m, n)
+    A <- O / (sqrt(v / (1 - beta2**t)) + eps)
+    A <- A * sqrt(min(m, n)) / (||A||_F + eps)              ||A||_F = ||polar(D)||_F for a full-rank D
+    W <- W (1 - lr * weight_decay) - lr * scale * A         scale = muon_scale(shape, scale_mode, ...)
+
+With the defaults ``scale_mode="spectral", extra_scale_factor=0.2`` the update has RMS exactly ``0.2 lr``
+(``||A||_F = sqrt(min(m, n))`` before the ``0.2 sqrt(max(m, n))``): the paper's "RMS-aligned" rescaling,
+which lets AdaMuon reuse an AdamW learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._validation import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
+from .muon import muon_scale
+from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
+from .optimizer import BookOptimizer
+
+__all__ = ["AdaMuon", "adamuon"]
+
+
+@torch.no_grad()
+def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+            exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, momentum: float, nesterov: bool,
+            beta2: float, weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
+            ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
+            extra_scale_factor: float = 0.2) -> None:
+    """Apply one AdaMuon step in place (the pure function behind :class:`AdaMuon`).
+
+    Args:
+        params, grads, momentum_buffers, exp_avg_sqs: lists of ``(fan_out, fan_in)`` tensors, one entry per
+            parameter; the buffers (``M`` and ``v``) are updated in place.
+        steps: the step number ``t >= 1`` of each parameter, after counting this step.
+        lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
+            extra_scale_factor: as in :class:`AdaMuon`; not re-validated here.
+
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
+    """
+    if not params:
+        return
+    if any(p.dtype in LOW_PRECISION for p in params):
+        work = [in_float32(x) for x in (params, grads, momentum_buffers, exp_avg_sqs)]
+        adamuon(*work, steps, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
+                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
+                extra_scale_factor=extra_scale_factor)
+        for target, result in zip((params, momentum_buffers, exp_avg_sqs), (work[0], work[2], work[3])):
+            write_back(target, result)
+        return
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+    for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
+        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype).to(p.dtype)
+        v.mul_(beta2).addcmul_(O, O, value=1 - beta2)
+        A = O.div_((v / (1 - beta2 ** t)).sqrt_().add_(eps))
+        A.mul_(math.sqrt(min(p.shape)) / (torch.linalg.vector_norm(A) + eps))
+        p.mul_(1 - lr * weight_decay).sub_(A, alpha=lr * muon_scale(p.shape, scale_mode, extra_scale_factor))
+
+
+class AdaMuon(BookOptimizer):
+    """AdaMuon (Si, Zhang & Shen 2025, arXiv:2507.11005, Algorithm 1): Adam's second moment on Muon's update.
+
+    The derivation and the update are in the module docstring (:mod:`optbook.optim.adamuon`).
+
+    Args:
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        lr: learning rate ``>= 0``; with the default scale the update's RMS is ``0.2 * lr``.
+        momentum: EMA coefficient of the first moment, in ``[0, 1)``.
+        nesterov: look-ahead direction ``lerp(G, M, momentum)`` (the authors' default); needs ``momentum > 0``.
+        beta2: EMA coefficient of the element-wise second moment, in ``[0, 1)`` (0.999 in the authors' code).
+        weight_decay: decoupled decay ``>= 0``, multiplied by ``lr``.
+        eps: added to ``sqrt(v_hat)`` (outside the root) and to the Frobenius norm of the rescale, ``> 0``.
+        ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and its dtype, as in
+            :class:`~optbook.optim.Muon`.
+        scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`; the defaults
+            (``"spectral"``, ``0.2``) are the paper's ``0.2 * sqrt(max(m, n))``.
+
+    State per parameter: ``step`` (``int``), ``momentum_buffer`` and ``exp_avg_sq`` (the parameter's shape
+    and dtype). A float16/bfloat16 parameter is stepped in float32.
+
+    Raises:
+        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
+            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+    """
+
+    elementwise = False
+    matrix_hint = MATRIX_ROUTE
+    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.999,
+                 weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
+                 ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
+                 extra_scale_factor: float = 0.2):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
+                                      weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
+                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
+                                      extra_scale_factor=extra_scale_factor))
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
+        check_momentum(group["beta2"], "beta2")
+        check_weight_decay(group["weight_decay"])
+        check_eps(group["eps"])
+        check_orthogonalisation(group)
+
+    def _expected_state(self, p, group):
+        like = (tuple(p.shape), p.dtype, True)
+        return {"momentum_buffer": like, "exp_avg_sq": like}
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+        adamuon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],
+                lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
+                weight_decay=group["weight_decay"], eps=group["eps"], ns_steps=group["ns_steps"],
+                coefficients=group["coefficients"], ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
+                extra_scale_factor=group["extra_scale_factor"])

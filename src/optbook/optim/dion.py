@@ -1,0 +1,159 @@
+"""Dion: orthonormal updates from a low-rank power iteration with error feedback. Explained in chapter 18.
+
+Source: Ahn, Xu, Abreu, Langford et al. (2025), "Dion: Distributed Orthonormalized Updates",
+arXiv:2504.05295, Algorithm 1 (the single-device, unsharded form); the reference code microsoft/dion
+commit 6e2c58d477722c47472fd9de54b9889d1d5ffb6d ``dion/dion_simple.py`` (``dion_update``: ``M += G``, ``P = QR(M Q)``,
+``R = M^T P``, ``M -= (1 - mu) P R^T``, ``Q = R / (||R_col|| + eps)``, step ``lr * sqrt(fan_out / fan_in) P Q^T``).
+
+Derivation. Muon orthogonalises the whole ``m x n`` momentum every step. Dion keeps a right factor ``Q``
+(``n x r``) and runs one step of subspace power iteration per optimizer step, warm-started from the last
+``Q``: the update ``P Q^T`` has rank ``r`` and orthonormal left factor. What the rank-``r`` update leaves
+out is not lost: error feedback keeps it in the momentum for later steps::
+
+    B <- M + G                                   (m, n): the buffer with this step's gradient
+    P <- orth(B Q)                               (m, r): reduced QR (Algorithm 1, line 4)
+    R <- B^T P                                   (n, r)
+    M <- B - (1 - mu) P R^T                      error feedback: only the part that was applied decays
+    Q <- ColumnNormalize(R)                      (n, r): r_j / (||r_j|| + eps)   (q_update="column_norm")
+    W <- W (1 - lr * weight_decay) - lr * sqrt(m / n) * P Q^T
+
+``r = ceil(rank_fraction * min(m, n))``. ``Q`` starts as a Gaussian ``n x r`` matrix drawn from a generator
+seeded with ``seed``; ``M`` starts at zero.
+
+Dion at full rank and Muon. With ``rank_fraction=1`` and ``B Q`` of full column rank, ``P P^T B = B`` (``P``
+spans the column space of ``B``), so the error feedback leaves ``M = mu B``: ``B_t = mu B_{t-1} + G_t``, which
+is ``1 / (1 - mu)`` times Muon's EMA buffer (no Nesterov). The paper's column normalisation does *not* make
+``P Q^T`` the polar factor of ``B`` at a given step (``Q`` converges to the right singular vectors only as the
+power iteration does). With ``q_update="polar"`` -- ``Q <- polar(R)``, the exact polar factor from the SVD,
+an option of this implementation -- it does: with ``B = U S V^T`` and ``P = U W`` (``W`` orthogonal),
+``R = V S W`` and ``polar(R) = V W``, so ``P Q^T = U W W^T V^T = U V^T = polar(B)`` exactly, whatever ``Q``
+was. Hence: Dion(``rank_fraction=1, q_update="polar", momentum=mu, weight_decay=wd``) equals Muon(``momentum=mu,
+nesterov=False, weight_decay=wd, scale_mode="unit_rms_norm"``) with its Newton–Schulz iteration replaced by
+the exact polar factor (in float64 the converged cubic iteration: ``coefficients="cubic", ns_steps=60,
+ns_dtype=torch.float64``), to rounding (checked to 1e-12 over several steps in the tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..newton_schulz import polar_factor
+from ._functional import LOW_PRECISION, in_float32, write_back
+from ._validation import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
+from .normuon import MATRIX_ROUTE
+from .optimizer import BookOptimizer
+
+__all__ = ["Q_UPDATES", "Dion", "dion", "dion_rank"]
+
+#: How Dion forms its new right factor from ``R = B^T P``: the paper's column normalisation, or the exact
+#: polar factor (with ``rank_fraction=1`` Dion is then Muon with the exact polar factor).
+Q_UPDATES = ("column_norm", "polar")
+
+
+def dion_rank(shape, rank_fraction: float) -> int:
+    """The rank ``r = ceil(rank_fraction * min(m, n))`` (at least 1) of Dion's update of an ``(m, n)`` matrix."""
+    return max(1, min(min(shape), math.ceil(rank_fraction * min(shape) - 1e-9)))
+
+
+@torch.no_grad()
+def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+         right_factors: list[torch.Tensor], *, lr: float, momentum: float, weight_decay: float, eps: float = 1e-8,
+         q_update: str = "column_norm") -> None:
+    """Apply one Dion step in place (the pure function behind :class:`Dion`).
+
+    Args:
+        params, grads, momentum_buffers: lists of ``(m, n)`` tensors, one entry per parameter; the buffers
+            (``M``) are updated in place.
+        right_factors: one ``(n, r)`` tensor ``Q`` per parameter, updated in place.
+        lr, momentum, weight_decay, eps, q_update: as in :class:`Dion`; not re-validated here.
+
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with ``M`` and ``Q``).
+    """
+    if not params:
+        return
+    if any(p.dtype in LOW_PRECISION for p in params):
+        work = [in_float32(x) for x in (params, grads, momentum_buffers, right_factors)]
+        dion(*work, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=eps, q_update=q_update)
+        for target, result in zip((params, momentum_buffers, right_factors), (work[0], work[2], work[3])):
+            write_back(target, result)
+        return
+    for p, g, M, Q in zip(params, grads, momentum_buffers, right_factors):
+        B = M.add_(g)
+        P, _ = torch.linalg.qr(B @ Q)                     # (m, r), orthonormal columns
+        R = B.T @ P                                       # (n, r)
+        B.addmm_(P, R.T, alpha=-(1 - momentum))           # error feedback: M <- B - (1 - mu) P R^T
+        if q_update == "polar":
+            Q.copy_(polar_factor(R))
+        else:
+            Q.copy_(R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps))
+        m, n = p.shape
+        p.mul_(1 - lr * weight_decay).addmm_(P, Q.T, alpha=-lr * math.sqrt(m / n))
+
+
+class Dion(BookOptimizer):
+    """Dion (Ahn et al. 2025, arXiv:2504.05295, Algorithm 1), single device: a rank-``r`` orthonormal update.
+
+    The derivation, the update and the exact relation to Muon at full rank are in the module docstring
+    (:mod:`optbook.optim.dion`).
+
+    Args:
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        lr: learning rate ``>= 0``; the step is ``lr * sqrt(fan_out / fan_in)`` times ``P Q^T``.
+        momentum: ``mu`` in ``[0, 1)``: the error-feedback coefficient (``M <- B - (1 - mu) P R^T``).
+        weight_decay: decoupled decay ``>= 0``, multiplied by ``lr``.
+        rank_fraction: ``r / min(m, n)`` in ``(0, 1]`` (:func:`dion_rank`); 1 is full rank.
+        q_update: ``"column_norm"`` (the paper) or ``"polar"`` (exact polar factor of ``R``; see the module).
+        eps: added to each column norm of ``R``, ``> 0``.
+        seed: an int ``>= 0`` seeding the Gaussian start of ``Q`` (one generator per parameter, so the start
+            does not depend on the order of the parameters).
+
+    State per parameter: ``momentum_buffer`` ``(m, n)`` and ``right_factor`` ``(n, r)``, the parameter's
+    dtype. A float16/bfloat16 parameter is stepped in float32.
+
+    Raises:
+        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
+            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        TypeError: as for every optimizer of :mod:`optbook.optim`; ``seed`` not an int.
+    """
+
+    elementwise = False
+    matrix_hint = MATRIX_ROUTE
+    float_options = ("lr", "momentum", "weight_decay", "eps")
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.95, weight_decay: float = 0.0,
+                 rank_fraction: float = 1.0, q_update: str = "column_norm", eps: float = 1e-8, seed: int = 0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      rank_fraction=rank_fraction, q_update=q_update, eps=eps, seed=seed))
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_momentum(group["momentum"])
+        check_weight_decay(group["weight_decay"])
+        check_number("rank_fraction", group["rank_fraction"], low=0.0, high=1.0, low_open=True)
+        if isinstance(group["rank_fraction"], torch.Tensor):
+            raise TypeError("Invalid rank_fraction: expected a Python number (it fixes the shape of the state), "
+                            "got a tensor")
+        if group["q_update"] not in Q_UPDATES:
+            raise ValueError(f"Invalid q_update: expected one of {Q_UPDATES}, got {group['q_update']!r}")
+        check_eps(group["eps"])
+        check_int("seed", group["seed"], 0)
+
+    def _expected_state(self, p, group):
+        r = dion_rank(p.shape, group["rank_fraction"])
+        return {"momentum_buffer": (tuple(p.shape), p.dtype, True), "right_factor": ((p.shape[1], r), p.dtype, True)}
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                r = dion_rank(p.shape, group["rank_fraction"])
+                gen = torch.Generator().manual_seed(group["seed"])
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["right_factor"] = torch.randn((p.shape[1], r), generator=gen, dtype=torch.float64).to(
+                    device=p.device, dtype=p.dtype)
+        dion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+             [self.state[p]["right_factor"] for p in params], lr=group["lr"], momentum=group["momentum"],
+             weight_decay=group["weight_decay"], eps=group["eps"], q_update=group["q_update"])

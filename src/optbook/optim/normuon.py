@@ -1,0 +1,172 @@
+"""NorMuon: Muon with a per-neuron second moment of the orthogonalised update. Explained in chapter 18.
+
+Source: Li et al. (2025), "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491,
+Algorithm 1; the reference code microsoft/dion commit 0333cc1136cd456b3fe3a56407d4ff104cfef604
+``dion/normuon.py`` (``_normuon_normalization_core``: the row mean of ``O * O``, ``sqrt(v) + 1e-8``, the
+Frobenius norm of ``O`` restored afterwards), which modded-nanogpt's NorMuon records follow.
+
+Derivation. Muon's update ``O = polar(M)`` has every singular value 1, but its *rows* (one per output
+neuron of a ``(fan_out, fan_in)`` weight) can have very different norms: ``||O_i||^2 = sum_k U_ik^2`` over
+the kept singular directions. Adam equalises coordinates by dividing by the RMS of their history; NorMuon
+does the same per neuron, with one statistic per row instead of one per element (memory ``fan_out``, not
+``fan_out * fan_in``)::
+
+    M <- lerp(M, G, 1 - momentum);  D = lerp(G, M, momentum) if nesterov else M    (Muon, chapter 6)
+    O <- newton_schulz(D)                                  (fan_out, fan_in)
+    v <- lerp(v, mean_j O_ij^2, 1 - beta2)                 (fan_out, 1): per-neuron second moment
+    N <- O / (sqrt(v) + eps)                               rows equalised
+    N <- N * ||O||_F / max(||N||_F, eps)                   the Frobenius norm of O restored
+    W <- W (1 - lr * weight_decay) - lr * scale * N        scale = muon_scale(shape, scale_mode, ...)
+
+The rescale keeps Muon's step size (the ``scale_mode`` conventions of :func:`optbook.optim.muon_scale`
+apply unchanged); the paper's Algorithm 1 instead sets the update's RMS to ``0.2`` (``scale_mode="spectral",
+extra_scale_factor=0.2`` gives the same RMS when ``O`` has full rank: ``||O||_F = sqrt(min(m, n))``).
+No bias correction of ``v``: the normalisation is scale invariant row-to-row and the Frobenius rescale
+removes the common factor ``1 - beta2**t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..newton_schulz import newton_schulz, ns_schedule
+from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._validation import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from .muon import NS_DTYPES, exact_rescale, muon_scale
+from .optimizer import BookOptimizer
+
+__all__ = ["NorMuon", "check_orthogonalisation", "normuon", "orthogonalize"]
+
+#: Where the matrix optimizers of chapter 18 send tensors that are not 2-D.
+MATRIX_ROUTE = "route embeddings, norms, biases and other tensors to AdamW, e.g. with optbook.optim.muon_param_groups(model)"
+
+
+def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: torch.dtype) -> torch.Tensor:
+    """Muon's orthogonalisation of one direction: :func:`optbook.newton_schulz` of ``D`` after the exact
+    power-of-two rescale (:func:`optbook.optim.muon.exact_rescale`), as :func:`optbook.optim.muon` does.
+
+    Args:
+        D: ``(m, n)`` real floating tensor.
+        ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and the dtype it runs in.
+
+    Returns:
+        A new ``(m, n)`` tensor, float32 for a float16/bfloat16 ``D``, else ``D``'s dtype.
+    """
+    return newton_schulz(exact_rescale(D), steps=ns_steps, coefficients=coefficients, eps=1e-7, dtype=ns_dtype)
+
+
+def check_orthogonalisation(group: dict) -> None:
+    """Check the Newton–Schulz and scale options of a group (``ns_steps``, ``coefficients``, ``ns_dtype``,
+    ``scale_mode``, ``extra_scale_factor``), as :class:`~optbook.optim.Muon` does.
+
+    Raises:
+        ValueError: a bad schedule or ``scale_mode``; TypeError: ``ns_dtype`` not a matmul dtype.
+    """
+    try:
+        ns_schedule(group["coefficients"], group["ns_steps"])
+    except ValueError as e:  # name the optimizer's argument, not the schedule's
+        raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
+    muon_scale((1, 1), group["scale_mode"])
+    check_number("extra_scale_factor", group["extra_scale_factor"])
+    if group["ns_dtype"] not in NS_DTYPES:
+        raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES}, got {group['ns_dtype']!r}")
+
+
+@torch.no_grad()
+def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+            variance_buffers: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, beta2: float,
+            weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
+            ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
+            extra_scale_factor: float = 1.0) -> None:
+    """Apply one NorMuon step in place (the pure function behind :class:`NorMuon`).
+
+    Args:
+        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per parameter.
+        variance_buffers: one ``(fan_out, 1)`` tensor per parameter (the per-neuron ``v``), updated in place.
+        lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
+            extra_scale_factor: as in :class:`NorMuon`; not re-validated here.
+
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
+    """
+    if not params:
+        return
+    if any(p.dtype in LOW_PRECISION for p in params):
+        work = [in_float32(x) for x in (params, grads, momentum_buffers, variance_buffers)]
+        normuon(*work, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
+                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
+                extra_scale_factor=extra_scale_factor)
+        for target, result in zip((params, momentum_buffers, variance_buffers), (work[0], work[2], work[3])):
+            write_back(target, result)
+        return
+    directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+    for p, d, v in zip(params, directions, variance_buffers):
+        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype).to(p.dtype)
+        v.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
+        N = O / (v.sqrt() + eps)
+        N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
+        p.mul_(1 - lr * weight_decay).sub_(N, alpha=lr * muon_scale(p.shape, scale_mode, extra_scale_factor))
+
+
+class NorMuon(BookOptimizer):
+    """NorMuon (Li et al. 2025, arXiv:2510.05491, Algorithm 1): Muon with a per-neuron second moment.
+
+    The derivation and the update are in the module docstring (:mod:`optbook.optim.normuon`).
+
+    Args:
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        lr: learning rate ``>= 0``.
+        momentum: EMA coefficient of the first moment, in ``[0, 1)``.
+        nesterov: look-ahead direction ``lerp(G, M, momentum)``; needs ``momentum > 0``.
+        beta2: EMA coefficient of the per-neuron second moment, in ``[0, 1)`` (0.95 in the paper).
+        weight_decay: decoupled decay ``>= 0``, multiplied by ``lr``.
+        eps: added to ``sqrt(v)`` and the floor of the Frobenius rescale, ``> 0``.
+        ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and its dtype, as in
+            :class:`~optbook.optim.Muon`.
+        scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`.
+
+    State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) and ``variance``
+    (``(fan_out, 1)``, the parameter's dtype). A float16/bfloat16 parameter is stepped in float32.
+
+    Raises:
+        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
+            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+    """
+
+    elementwise = False
+    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
+                 weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
+                 ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
+                 extra_scale_factor: float = 1.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
+                                      weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
+                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
+                                      extra_scale_factor=extra_scale_factor))
+
+    matrix_hint = MATRIX_ROUTE
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_lr(group["lr"])
+        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
+        check_momentum(group["beta2"], "beta2")
+        check_weight_decay(group["weight_decay"])
+        check_eps(group["eps"])
+        check_orthogonalisation(group)
+
+    def _expected_state(self, p, group):
+        return {"momentum_buffer": (tuple(p.shape), p.dtype, True), "variance": ((p.shape[0], 1), p.dtype, True)}
+
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p]["variance"] = p.new_zeros((p.shape[0], 1))
+        normuon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                [self.state[p]["variance"] for p in params], lr=group["lr"], momentum=group["momentum"],
+                nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=group["weight_decay"],
+                eps=group["eps"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
+                ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
+                extra_scale_factor=group["extra_scale_factor"])
