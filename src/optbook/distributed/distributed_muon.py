@@ -1,0 +1,323 @@
+"""Moonlight's distributed Muon: ZeRO-1 element shards, each matrix gathered whole. Chapter 14.
+
+Liu et al. 2025, "Muon is Scalable for LLM Training" (arXiv:2502.16982, section 2.3 and Algorithm 1): the
+ZeRO-1 layout of :func:`optbook.distributed.shard_layout`; gradients reduce-scattered; the momentum kept for
+the local element shard only; each step the momentum-updated shards are all-gathered (in bfloat16 by
+default) into full matrices, each matrix is orthogonalised, and each rank keeps the part of the update that
+falls in its shard; parameters all-gathered as in ZeRO-1. It communicates one gather more than ZeRO-1 AdamW:
+:attr:`DistributedMuon.comm_bytes` counts it, :func:`zero1_comm_bytes` gives the formula (the byte-counting
+convention is :mod:`optbook.distributed.layerwise_muon`'s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..optim import Muon, muon
+from ..optim._functional import LOW_PRECISION, momentum_directions
+from ..optim.optimizer import all_finite
+from ._muon_common import (
+    check_max_grad_norm,
+    check_muon_state_dict,
+    clip_coefficient,
+    consolidate,
+    consolidated_state,
+    hyper,
+    nbytes,
+    scale_,
+    sumsq,
+)
+from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from .zero1 import _all_gather, _reduce_scatter, shard_layout
+
+__all__ = ["DistributedMuon", "zero1_comm_bytes"]
+
+
+class DistributedMuon(Muon):
+    """Moonlight's distributed Muon (Liu et al. 2025, Algorithm 1): ZeRO-1 element shards, each matrix
+    gathered whole for Newton–Schulz (module docstring).
+
+    Args:
+        params: 2-D float32 or float64 tensors (or param-group dicts), as :class:`optbook.optim.Muon`; the
+            same on every rank (broadcast from the group's rank 0 at construction). float16/bfloat16
+            parameters are refused (their float32 masters are not implemented here; keep float32 weights).
+        process_group: the data-parallel group (``None``: WORLD).
+        gather_dtype: dtype of the momentum gather (``torch.bfloat16`` as Moonlight; ``torch.float64`` or the
+            parameters' dtype for an exact comparison with single-process Muon).
+        max_grad_norm: clip the mean gradient by its global norm before the momentum (``None``: no clip).
+        bucket_size, param_alignment, bucket_alignment: the ZeRO-1 layout, :func:`optbook.distributed.shard_layout`.
+        **muon_defaults: as :class:`optbook.optim.Muon`.
+
+    One step, per bucket of the layout (a collective)::
+
+        all_reduce([failing rank + 1, has_grad...], MAX)       every rank raises together on bad input
+        g_r = reduce_scatter(flat gradients, SUM) / d            this rank's element shard of the mean
+        all_reduce([sum of squares of g_r, non-finite], SUM)     one global norm; every rank skips together
+        M_r <- lerp(M_r, c g_r, 1 - mu); D_r (Nesterov)          momentum on the shard only (c: the clip)
+        D = all_gather(D_r in gather_dtype)                      the full momentum-updated matrices
+        O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.muon's arithmetic
+        W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
+        W = all_gather(W_r)                                      as ZeRO-1
+
+    A teaching implementation: the flat parameter and gradient buffers are copies (the parameters are not
+    views of them, as in ``DistributedOptimizer``), and every rank orthogonalises each matrix it holds a piece
+    of (a matrix cut by a shard boundary is orthogonalised on every rank that holds a piece of it).
+
+    Attributes:
+        layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
+        state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
+            parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
+        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
+            :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
+        last_grad_norm: the global norm of the mean gradient at the last step (0-dim float64 tensor).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError, TypeError: what :class:`optbook.optim.Muon` raises; float16/bfloat16 parameters; bad
+            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks. :meth:`step`: an
+            invalid input or non-finite mean gradient on any rank raises on every rank, nothing written.
+    """
+
+    def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
+                 max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
+                 bucket_alignment: int = 128, **muon_defaults):
+        group, rank, world_size = group_info(process_group)
+        if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
+        super().__init__(params, **muon_defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(all_params):
+            if p.dtype in LOW_PRECISION:
+                raise ValueError(f"Invalid params: parameter {i} is {p.dtype}; DistributedMuon steps float32 or "
+                                 "float64 parameters (keep float32 weights and compute in low precision)")
+        devices = {p.device for p in all_params}
+        if len(devices) > 1:
+            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
+        layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
+                              bucket_alignment=bucket_alignment)
+        check_same_params(all_params, group, world_size, "DistributedMuon")
+        self.process_group, self.rank, self.world_size = group, rank, world_size
+        self.gather_dtype, self.max_grad_norm = gather_dtype, max_grad_norm
+        self.layout, self.pieces = layout, layout.pieces(rank)
+        self._params = all_params
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
+        self.last_grad_norm: torch.Tensor | None = None
+        self._consolidated: dict | None = None
+        with torch.no_grad():
+            self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
+                                  for d, n in layout.buffer_numel.items()}
+            self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
+                                 for d, n in layout.buffer_numel.items()}
+            src = global_rank(group, 0)
+            for p in all_params:
+                if p.numel():
+                    dist.broadcast(p.data, src=src, group=group)
+            self._params_to_buffers()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "layout", None) is not None:
+            raise NotImplementedError("DistributedMuon.add_param_group: the layout is fixed at construction")
+        super().add_param_group(param_group)
+
+    @property
+    def momentum_shard(self) -> dict[int, torch.Tensor]:
+        """``{param index: this rank's 1-D momentum piece}`` (the same tensors as ``state[p]["momentum_shard"]``)."""
+        return {i: self.state[p]["momentum_shard"] for i, p in enumerate(self._params)
+                if p in self.state and "momentum_shard" in self.state[p]}
+
+    def _params_to_buffers(self) -> None:
+        for r, p in zip(self.layout.params, self._params):
+            self.param_buffers[r.dtype][r.start:r.end].copy_(p.detach().reshape(-1))
+
+    def _shard(self, buffers: dict, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        lo, hi = bucket.shard(self.rank)
+        return buffers[bucket.dtype][lo:hi]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One distributed Muon step (a collective; the class docstring's sequence).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError, TypeError: an invalid hyperparameter or gradient on any rank, or a non-finite mean
+                gradient: on every rank, before anything is written.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        has_grad = validate_on_every_rank(self, "DistributedMuon")
+        self._consolidated = None
+        # 1. reduce-scatter the flat gradients, mean
+        for buf in self.grad_buffers.values():
+            buf.zero_()
+        for r, p in zip(self.layout.params, self._params):
+            if p.grad is not None and r.numel:
+                self.grad_buffers[r.dtype][r.start:r.end].copy_(p.grad.reshape(-1))
+        shards = []
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                shard = self._shard(self.grad_buffers, b)
+                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                group=self.process_group)
+                self.comm_bytes["reduce_scatter"] += nbytes(bucket.numel, bucket.dtype)
+                shard.div_(self.world_size)
+                shards.append(shard)
+        # 2. one global norm and one non-finite flag
+        stats = torch.tensor([sumsq(shards), 0.0 if not shards or all_finite(shards) else 1.0],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(stats, group=self.process_group)
+        self.comm_bytes["control"] += 16
+        if stats[1] > 0:
+            raise ValueError("DistributedMuon.step: the mean gradient holds inf or NaN (on every rank); skip this "
+                             "step; nothing was changed")
+        norm = math.sqrt(float(stats[0]))
+        self.last_grad_norm = torch.tensor(norm, dtype=torch.float64)
+        coef = clip_coefficient(norm, self.max_grad_norm)
+        scale_(shards, coef)
+        # 3. momentum on this rank's pieces; the directions into a gather buffer
+        groups = [self._read_floats(g) for g in self.param_groups]
+        directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
+                      for d, n in self.layout.buffer_numel.items()}
+        for piece in self.pieces:
+            if not has_grad[piece.index]:
+                continue
+            r = self.layout.params[piece.index]
+            g = groups[self._group_of[piece.index]]
+            grad = self.grad_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
+            state = self.state[self._params[piece.index]]
+            if "momentum_shard" not in state:
+                state["momentum_shard"] = torch.zeros_like(grad)
+            m = state["momentum_shard"]
+            (d,) = momentum_directions([m], [grad], g["momentum"], g["nesterov"])
+            directions[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel].copy_(d)
+        # 4. gather the full matrices
+        for bucket in self.layout.buckets:
+            if bucket.numel:
+                lo, hi = bucket.shard(self.rank)
+                _all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
+                            group=self.process_group)
+                self.comm_bytes["gather"] += nbytes(bucket.numel, self.gather_dtype)
+        # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
+        for gi, g in enumerate(groups):
+            mine = [p for p in self.pieces if self._group_of[p.index] == gi and has_grad[p.index]]
+            if not mine:
+                continue
+            full = []
+            for piece in mine:
+                r = self.layout.params[piece.index]
+                full.append(directions[r.dtype][r.start:r.end].view(r.shape).to(r.dtype))
+            updates = _scaled_orthogonal(full, g)
+            for piece, upd in zip(mine, updates):
+                r = self.layout.params[piece.index]
+                w = self.param_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
+                w.mul_(1 - g["lr"] * g["weight_decay"])
+                w.sub_(upd.reshape(-1)[piece.param_start:piece.param_end], alpha=g["lr"])
+        # 6. all-gather the parameters, back into the model
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                            self._shard(self.param_buffers, b), group=self.process_group)
+                self.comm_bytes["all_gather"] += nbytes(bucket.numel, bucket.dtype)
+        for r, p in zip(self.layout.params, self._params):
+            if r.numel:
+                p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
+        return loss
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's momentum pieces on group rank ``to`` and assemble whole momentum matrices (a
+        collective), for :meth:`state_dict`. The result is dropped at the next :meth:`step`.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        local = [(piece.index, piece.param_start, piece.param_end,
+                  self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
+                 for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
+        gathered = consolidate(self, local, to)
+        if gathered is None:
+            self._consolidated = None
+            return
+        buffers: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            for index, start, end, m in part:
+                buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
+        plain = super().state_dict()  # param_groups with indices in param-group order
+        self._consolidated = {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)}
+                                        for i in sorted(buffers)},
+                              "param_groups": plain["param_groups"]}
+
+    def state_dict(self) -> dict:
+        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
+        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
+        parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
+        :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
+        DistributedMuon at any world size.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        return consolidated_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
+        :meth:`LayerWiseMuon.state_dict` or from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its
+        pieces of the momentum. Not a collective: call it on every rank with the same dict.
+
+        Raises:
+            TypeError, ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts
+                differ), or a momentum buffer whose shape is not its parameter's; before anything is loaded.
+        """
+        check_muon_state_dict(state_dict, self._params)
+        super().load_state_dict(state_dict)
+        full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
+                if "momentum_buffer" in self.state.get(p, {})}
+        self.state.clear()
+        for piece in self.pieces:
+            if piece.index in full:
+                flat = full[piece.index].reshape(-1)[piece.param_start:piece.param_end]
+                self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
+        self._consolidated = None
+
+
+def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
+    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
+    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
+    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
+    out = [torch.zeros_like(d) for d in directions]
+    bufs = [torch.zeros_like(d) for d in directions]
+    options = {**hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+    muon(out, directions, bufs, **options)
+    return [o.neg_() for o in out]
+
+
+def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None) -> dict:
+    """Bytes one ZeRO-1 step moves for ``layout`` (:func:`optbook.distributed.shard_layout`), by the
+    module docstring's convention: a reduce-scatter of every bucket in its gradient dtype (``grad_dtype``,
+    default: float32 for float16/bfloat16 buckets, else the bucket's dtype, as ``DistributedOptimizer``) and
+    an all-gather of every bucket in its parameter dtype. With ``gather_dtype``, also Moonlight's gather of
+    the momentum-updated buckets in that dtype (:class:`DistributedMuon`).
+
+    Returns:
+        ``{"reduce_scatter": int, "all_gather": int, "gather": int (0 without gather_dtype), "total": int}``.
+    """
+    out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
+    for b in layout.buckets:
+        gd = grad_dtype or (torch.float32 if b.dtype in LOW_PRECISION else b.dtype)
+        out["reduce_scatter"] += nbytes(b.numel, gd)
+        out["all_gather"] += nbytes(b.numel, b.dtype)
+        if gather_dtype is not None:
+            out["gather"] += nbytes(b.numel, gather_dtype)
+    out["total"] = out["reduce_scatter"] + out["all_gather"] + out["gather"]
+    return out
