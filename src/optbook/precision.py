@@ -43,7 +43,8 @@ import torch
 from .optim._validation import check_bool, check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 
-__all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer"]
+__all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
+           "check_loss_scaler", "loss_scale_of", "scaled_loss", "unscale_grads_"]
 
 #: Model parameter dtypes that get a float32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -245,8 +246,21 @@ class DynamicLossScaler:
                 f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker})")
 
 
-def _scaler_scale(loss_scaler) -> float:
-    """The scaler's current scale, checked finite and ``> 0`` (raises ValueError naming ``loss_scaler``)."""
+# --- the loss-scaling pieces every mixed-precision optimizer shares ------------------------------------------
+# MixedPrecisionOptimizer uses them, and so can a sharded optimizer (ZeRO-1) that unscales only its shard.
+def loss_scale_of(loss_scaler) -> float:
+    """The current scale ``S`` of ``loss_scaler`` as a Python float (``1.0`` for ``None``).
+
+    Args:
+        loss_scaler: ``None`` or an object whose ``scale`` is a finite real number ``> 0`` (a Python float;
+            a one-element tensor is read with ``float``, one device synchronisation).
+
+    Raises:
+        TypeError: the scale is not a real number (the message names ``loss_scaler.scale``).
+        ValueError: the scale is not finite and ``> 0``.
+    """
+    if loss_scaler is None:
+        return 1.0
     scale = loss_scaler.scale
     if isinstance(scale, torch.Tensor):
         scale = float(scale) if scale.numel() == 1 else scale
@@ -256,7 +270,7 @@ def _scaler_scale(loss_scaler) -> float:
         raise TypeError(f"{e}; a loss scaler's scale must be a Python float") from None
 
 
-def _check_loss_scaler(loss_scaler) -> None:
+def check_loss_scaler(loss_scaler) -> None:
     """``None``, or an object with ``scale`` (finite, ``> 0``), ``update``, ``state_dict``, ``load_state_dict``.
 
     Raises:
@@ -269,7 +283,86 @@ def _check_loss_scaler(loss_scaler) -> None:
     if lacking:
         raise TypeError(f"Invalid loss_scaler: expected None or a loss scaler (scale, update, state_dict, "
                         f"load_state_dict), got a {type(loss_scaler).__name__} without {', '.join(lacking)}")
-    _scaler_scale(loss_scaler)
+    loss_scale_of(loss_scaler)
+
+
+def check_float16_scaled(params, loss_scaler, where: str = "params") -> None:
+    """Refuse float16 parameters that require grad when there is no loss scaler.
+
+    Args:
+        params: an iterable of tensors, or of ``(name, tensor)`` pairs (the name is used in the message;
+            without one the position in ``where`` is).
+        loss_scaler: ``None`` or a loss scaler.
+        where: how the message names the collection.
+
+    Raises:
+        ValueError: a float16 parameter without a loss scaler (float16 gradients below ``2**-24`` flush to
+            zero; Micikevicius et al. 2018, Sec. 3.2).
+    """
+    if loss_scaler is not None:
+        return
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (f"{where}[{i}]", item)
+        if p.dtype == torch.float16 and p.requires_grad:
+            raise ValueError(
+                f"Invalid loss_scaler: {name} (shape {tuple(p.shape)}) is float16, and float16 gradients need "
+                "loss scaling (small ones flush to zero); pass loss_scaler=DynamicLossScaler() or "
+                "ConstantLossScaler(...)")
+
+
+def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss * scale`` for ``backward()``; a float16/bfloat16 ``loss`` is cast to float32 first.
+
+    Args:
+        loss: a floating-point tensor (usually 0-dim).
+        scale: the loss scale ``S`` (a Python float).
+
+    Returns:
+        A tensor of ``loss``'s shape, float32 for a float16/bfloat16 loss, else ``loss``'s dtype.
+
+    Raises:
+        TypeError: ``loss`` is not a floating-point tensor.
+    """
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
+    if loss.dtype in _LOW_PRECISION:
+        loss = loss.float()
+    return loss * scale
+
+
+def unscale_grads_(grads: list[torch.Tensor], scale: float) -> bool:
+    """Multiply every gradient by ``1 / scale`` in place and report whether any holds ``inf``/``NaN``.
+
+    One fused pass per (device, dtype) list (``torch._amp_foreach_non_finite_check_and_unscale_``, as
+    ``torch.amp.GradScaler.unscale_`` and Megatron-LM core_r0.13.0 ``MixedPrecisionOptimizer.
+    _unscale_main_grads_and_check_for_nan``), one found-inf flag per device, so one device synchronisation
+    per device.
+
+    Args:
+        grads: float32 (or float16/bfloat16/float64) tensors, any shapes and devices; empty ones are fine.
+        scale: ``S``, a finite Python float ``> 0``; ``1 / S`` is rounded to float32 once (exact for a
+            power of two). A sharded optimizer that also averages over ``d`` ranks passes ``d * S``.
+
+    Returns:
+        ``True`` when some element is ``inf`` or ``NaN`` (the gradients are then multiplied all the same:
+        the step is to be skipped); ``False`` for an empty list.
+    """
+    by_key: dict = {}
+    for g in grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    found: dict = {}
+    inv: dict = {}
+    for (device, _), gs in by_key.items():
+        if device not in found:
+            found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
+    return any(bool(f.item()) for f in found.values())
+
+
+# Old private names, kept while optbook.distributed.zero1 still imports them.
+_scaler_scale = loss_scale_of
+_check_loss_scaler = check_loss_scaler
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -340,7 +433,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
                              "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
-        _check_loss_scaler(loss_scaler)
+        check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         check_bool("check_for_nonfinite", check_for_nonfinite)
@@ -350,7 +443,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if loss_scaler is not None and not check_for_nonfinite:
             raise ValueError("Invalid check_for_nonfinite: False is only allowed without a loss scaler (unscaling "
                              "always checks, and the scaler's update needs the result)")
-        self._check_params(optimizer.param_groups, loss_scaler, "optimizer")
+        check_float16_scaled([(f"optimizer param_groups[{gi}]['params'][{pi}]", p)
+                              for gi, g in enumerate(optimizer.param_groups)
+                              for pi, p in enumerate(g["params"])], loss_scaler)
 
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -369,16 +464,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer owns groups and state.
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
-
-    @staticmethod
-    def _check_params(param_groups, loss_scaler, where: str) -> None:
-        for gi, group in enumerate(param_groups):
-            for pi, p in enumerate(group["params"]):
-                if loss_scaler is None and p.dtype == torch.float16 and p.requires_grad:
-                    raise ValueError(
-                        f"Invalid loss_scaler: {where} param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
-                        "is float16, and float16 gradients need loss scaling (small ones flush to zero); pass "
-                        "loss_scaler=DynamicLossScaler() or ConstantLossScaler(...)")
 
     def _with_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` with each low-precision parameter replaced by a new float32 master (recorded in pairs)."""
@@ -409,7 +494,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale ``S`` (``1.0`` without a scaler)."""
-        return 1.0 if self.loss_scaler is None else _scaler_scale(self.loss_scaler)
+        return loss_scale_of(self.loss_scaler)
 
     def master_params(self) -> list[torch.Tensor]:
         """The float32 masters, one per float16/bfloat16 model parameter, in group order."""
@@ -424,7 +509,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._check_params([{"params": params}], self.loss_scaler, "the new group's")
+        check_float16_scaled([(f"the new group's param_groups[0]['params'][{pi}]", p)
+                              for pi, p in enumerate(params)], self.loss_scaler)
         n_pairs, n_params = len(self._pairs), len(self._model_params)
         try:
             self.optimizer.add_param_group({**param_group, "params": self._with_masters(params)})
@@ -452,11 +538,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Raises:
             TypeError: ``loss`` is not a floating-point tensor.
         """
-        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
-            raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-        if loss.dtype in _LOW_PRECISION:
-            loss = loss.float()
-        return loss * self.loss_scale
+        return scaled_loss(loss, self.loss_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every model parameter and every master."""
@@ -504,17 +586,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and p.numel()]
         if self.loss_scaler is None:
             return self.check_for_nonfinite and bool(grads) and not all_finite(grads)
-        by_key: dict = {}
-        for g in grads:
-            by_key.setdefault((g.device, g.dtype), []).append(g)
-        found: dict = {}
-        inv: dict = {}
-        for (device, _), gs in by_key.items():
-            if device not in found:
-                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
-        return any(bool(f.item()) for f in found.values())
+        return unscale_grads_(grads, scale)
 
     def _cast_state(self, dtype: torch.dtype | None) -> None:
         """Cast every floating-point state tensor except ``step`` to ``dtype`` (``None``: its parameter's dtype)."""
