@@ -53,22 +53,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..clipping import clip_grad_norm_
+from ..clipping import clip_coefficient, clip_grad_norm_, get_grad_norm, scale_grads_
 from ..optim import AdamW
-from ..optim._validation import check_grad, check_int as _check_int, check_number
+from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
+from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
 
 __all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
 
 #: The ``"format"`` entry of :meth:`DistributedOptimizer.sharded_state_dict`.
 SHARDED_FORMAT = "optbook.DistributedOptimizer.sharded/1"
 
-#: Parameter dtypes that get float32 masters and float32 gradient buffers.
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-# torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Old private names, kept as aliases while optbook.distributed.layerwise_muon still imports them from here;
+# new code imports the public names from optbook.distributed._collectives.
+_LOW_PRECISION, _all_gather, _reduce_scatter, _check_int = LOW_PRECISION, all_gather, reduce_scatter, check_int
 
 
 # --- the layout ---------------------------------------------------------------------------------------------
@@ -185,11 +183,11 @@ def shard_layout(params, world_size: int, *, bucket_size: int | None = None, par
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range, named in the message.
     """
-    world_size = _check_int("world_size", world_size, 1)
+    world_size = check_int("world_size", world_size, 1)
     if bucket_size is not None:
-        bucket_size = _check_int("bucket_size", bucket_size, 1)
-    param_alignment = _check_int("param_alignment", param_alignment, 1)
-    bucket_alignment = _check_int("bucket_alignment", bucket_alignment, 1)
+        bucket_size = check_int("bucket_size", bucket_size, 1)
+    param_alignment = check_int("param_alignment", param_alignment, 1)
+    bucket_alignment = check_int("bucket_alignment", bucket_alignment, 1)
     params = list(params)
     multiple = math.lcm(world_size, bucket_alignment)
     ranges: dict[int, ParamRange] = {}
@@ -224,17 +222,9 @@ def _clip_with_extra(params, max_norm, group, extra_sumsq: float) -> torch.Tenso
     """``norm = sqrt(group sum of squares of params' grads + extra_sumsq)``; scale the grads by
     ``min(1, max_norm / (norm + 1e-6))`` (as :func:`optbook.clipping.clip_grad_norm_`; no scaling when
     ``max_norm`` is ``None`` or the norm is not finite). Returns the norm (0-dim float64)."""
-    from ..clipping import EPS, get_grad_norm
-
     own = get_grad_norm(params, group=group)
     norm = torch.sqrt(own.square() + extra_sumsq)
-    if max_norm is not None and torch.isfinite(norm):
-        coef = max_norm / (norm.item() + EPS)
-        if coef < 1.0:
-            for p in params:
-                g = p.grad
-                if g is not None:
-                    g.mul_(coef) if g.dtype == torch.float64 else g.copy_(g.to(torch.float64).mul_(coef))
+    scale_grads_([p.grad for p in params if p.grad is not None], clip_coefficient(norm.item(), max_norm))
     return norm
 
 
@@ -360,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.grad_buffers: dict = {}
             for dtype, numel in layout.buffer_numel.items():
                 self.param_buffers[dtype] = torch.zeros(numel, dtype=dtype, device=self.device)
-                grad_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+                grad_dtype = torch.float32 if dtype in LOW_PRECISION else dtype
                 self.grad_buffers[dtype] = torch.zeros(numel, dtype=grad_dtype, device=self.device)
             for r, p in zip(layout.params, all_params):
                 view = self.param_buffers[r.dtype][r.start:r.end]
@@ -373,7 +363,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # float32 masters of this rank's shards of low-precision buckets (padding included, never stepped)
             self.master_shards: dict[int, torch.Tensor] = {}
             for b, bucket in enumerate(layout.buckets):
-                if bucket.dtype in _LOW_PRECISION:
+                if bucket.dtype in LOW_PRECISION:
                     lo, hi = bucket.shard(rank)
                     self.master_shards[b] = self.param_buffers[bucket.dtype][lo:hi].float()
 
@@ -422,7 +412,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-        return (loss.float() if loss.dtype in _LOW_PRECISION else loss) * self.loss_scale
+        return (loss.float() if loss.dtype in LOW_PRECISION else loss) * self.loss_scale
 
     def _param_view(self, index: int) -> torch.Tensor:
         r = self.layout.params[index]
@@ -454,7 +444,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         n = 0
         with torch.no_grad():
             for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
-                if r.dtype in _LOW_PRECISION or not r.numel:
+                if r.dtype in LOW_PRECISION or not r.numel:
                     continue
                 view = self._grad_view(i).view(r.shape)
                 if p.grad is None:
@@ -595,7 +585,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     dist.all_reduce(self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                     group=self.process_group)
                 else:
-                    _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                    reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                     group=self.process_group)
                 shard_grads.append(shard)
         # 3. mean, unscale, look for inf/NaN on this rank's shards
@@ -646,7 +636,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         lo, hi = bucket.shard(q)
                         dist.broadcast(flat[lo:hi], src=src, group=self.process_group)
                 else:
-                    _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                    all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
                                 self._shard(self.param_buffers, b), group=self.process_group)
         return True
 
@@ -661,7 +651,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             TypeError, ValueError: ``to`` is not an int in ``0 .. world_size - 1`` (on every rank, before any
                 communication).
         """
-        to = _check_int("to", to, 0)
+        to = check_int("to", to, 0)
         if to >= self.world_size:
             raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
         local = self._local_pieces()
@@ -697,7 +687,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if master is not None:
                     masters.setdefault(index, torch.zeros(r.numel, dtype=master.dtype))[s:e] = master
         for r in self.layout.params:  # every low-precision parameter has a master (zero elements included)
-            if r.dtype in _LOW_PRECISION:
+            if r.dtype in LOW_PRECISION:
                 masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
         state = {}
         for index in sorted(flat_state):
@@ -796,7 +786,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  "no loss_scaler")
             copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)  # refuses before any write
         skipped = state_dict.get("skipped_steps", self.skipped_steps)
-        skipped = _check_int("state_dict['skipped_steps']", skipped, 0)
+        skipped = check_int("state_dict['skipped_steps']", skipped, 0)
 
         # The inner optimizer's own state dict: this rank's pieces, numbered in its group order.
         inner_state, inner_groups, k = {}, [], 0
