@@ -203,3 +203,326 @@ def resume_run(rank, world_size, group, checkpoint, kind: str = "layerwise", see
         set_grads(fresh, muon_grads(fresh, t, rank, world_size, seed))
         opt.step()
     return [p.detach().clone() for p in fresh]
+
+
+# --- the step contract: owners, all-or-nothing loads, non-finite gradients, cross-rank checks -------------------
+#: Row factors of a QK-clip-style rescaling (dyadic, so every product is exact in float64).
+ROW_FACTORS = {0: [0.5, 0.75] * 8, 5: [0.25, 1.0] * 4}
+
+
+def row_scale(params) -> None:
+    """``contract.scale_weights_`` of :data:`ROW_FACTORS` (one factor per row) on each listed parameter."""
+    from optbook.contract import scale_weights_
+
+    for i, rows in ROW_FACTORS.items():
+        scale_weights_(params[i], torch.tensor(rows, dtype=params[i].dtype).view(-1, 1))
+
+
+def scaled_reference(steps: int, scale_at=(2,), loaded: float | None = None, seed: int = 0) -> list[torch.Tensor]:
+    """Single-process ``optbook.optim.Muon`` on :func:`muon_mean_grads`, with :func:`row_scale` before the
+    steps in ``scale_at`` and, with ``loaded``, every weight set to that value after construction."""
+    from optbook.distributed.muon_workers import muon_mean_grads
+    from optbook.optim import Muon
+
+    params, groups = muon_problem(seed)
+    opt = Muon(groups, **MUON_OPTIONS)
+    if loaded is not None:
+        with torch.no_grad():
+            for p in params:
+                p.fill_(loaded)
+    for t in range(steps):
+        if t in scale_at:
+            row_scale(params)
+        set_grads(params, muon_mean_grads(params, t, seed))
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _make(kind: str, groups, group, **extra):
+    if kind == "layerwise":
+        return LayerWiseMuon(groups, process_group=group, **{**MUON_OPTIONS, **extra})
+    return DistributedMuon(groups, process_group=group, gather_dtype=torch.float64, **MOONLIGHT_LAYOUT,
+                           **{**MUON_OPTIONS, **extra})
+
+
+def _model(params) -> torch.nn.Module:
+    """A module over the tensors (as buffers: they are plain tensors); its ``load_state_dict`` copies into
+    them in place, as a model's does into its parameters."""
+    model = torch.nn.Module()
+    for i, p in enumerate(params):
+        model.register_buffer(f"w{i}", p)
+    return model
+
+
+def _error(call):
+    """``(type name, message)`` of what ``call()`` raises, or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 -- reported to the test, which checks the type
+        return type(e).__name__, str(e)
+    return None
+
+
+def _state_tensors(opt) -> list[torch.Tensor]:
+    return [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def owner_checks(rank: int, world_size: int, *, group=None, kind: str = "moonlight") -> dict:
+    """The step contract's owner rules for ``kind`` (``"moonlight"``: DistributedMuon, ``"layerwise"``):
+
+    ``"loaded"``: parameters after a weights-only ``model.load_state_dict`` of 5.0 everywhere (after the
+    optimizer was built) and 2 steps; ``"lr0"``: after :func:`row_scale` and one step with ``lr = 0``, with the
+    weights before the scaling (``"lr0_before"``); ``"resumed"``: the parameters of a run with
+    :func:`row_scale` before steps 2 and 4, checkpointed after step 3 and resumed by a fresh optimizer over
+    fresh tensors; ``"owner"``: whether ``contract.owner_of`` of a parameter is the optimizer;
+    ``"returned"``: what ``step(closure)`` returned; ``"bad_factor"``: the error of a factor of the wrong
+    shape and whether nothing changed.
+    """
+    from optbook.contract import owner_of, scale_weights_
+
+    out = {}
+    params, groups = muon_problem()
+    opt = _make(kind, groups, group)
+    out["owner"] = owner_of(params[0]) is opt
+    _model(params).load_state_dict({f"w{i}": torch.full_like(p, 5.0) for i, p in enumerate(params)})
+    for t in range(2):
+        set_grads(params, muon_grads(params, t, rank, world_size))
+        out.setdefault("returned", opt.step(closure=lambda: 1.25))
+    out["loaded"] = [p.detach().clone() for p in params]
+    # a row scaling with lr = 0 must not be undone
+    params, groups = muon_problem()
+    opt = _make(kind, groups, group)
+    set_grads(params, muon_grads(params, 0, rank, world_size))
+    opt.step()
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    out["lr0_before"] = [p.detach().clone() for p in params]
+    before = [p.detach().clone() for p in params] + _state_tensors(opt)
+    out["bad_factor"] = (_error(lambda: scale_weights_(params[0], torch.ones(3, 1, dtype=torch.float64))),
+                         bitwise(before, [p.detach().clone() for p in params] + _state_tensors(opt)))
+    row_scale(params)
+    set_grads(params, muon_grads(params, 1, rank, world_size))
+    opt.step()
+    out["lr0"] = [p.detach().clone() for p in params]
+    # scaling mid-run, a checkpoint, a resume by a fresh optimizer, scaling again
+    params, groups = muon_problem()
+    opt = _make(kind, groups, group)
+    for t in range(4):
+        if t == 2:
+            row_scale(params)
+        set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    shared = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    fresh = [p.detach().clone().requires_grad_() for p in params]
+    _, groups = muon_problem()
+    groups = [{**g, "params": fresh[:5] if i == 0 else fresh[5:]} for i, g in enumerate(groups)]
+    opt = _make(kind, groups, group)
+    opt.load_state_dict(shared[0])
+    for t in (4, 5):
+        if t == 4:
+            row_scale(fresh)
+        set_grads(fresh, muon_grads(fresh, t, rank, world_size))
+        opt.step()
+    out["resumed"] = [p.detach().clone() for p in fresh]
+    return out
+
+
+def foreign_checkpoints(rank: int, world_size: int, *, group=None, kind: str = "moonlight") -> dict:
+    """Checkpoints of another model (the matrices transposed) and of another optimizer (AdamW over the same
+    shapes) into ``kind`` after 2 steps: ``{case: ((type, message), nothing changed)}``, then two more steps
+    (``"after"``: must equal the uninterrupted run, :func:`muon_reference` of 4 steps) and a dict saved
+    before ``skipped_steps`` existed (``"old_dict"``: the error or None)."""
+    from optbook.optim import AdamW, Muon
+
+    params, groups = muon_problem()
+    opt = _make(kind, groups, group)
+    for t in range(2):
+        set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    other = [torch.zeros(p.shape[::-1], dtype=p.dtype, requires_grad=True) for p in params]
+    other_groups = [{**g, "params": other[:5] if i == 0 else other[5:]} for i, g in enumerate(groups)]
+    foreign = Muon(other_groups, **MUON_OPTIONS)
+    set_grads(other, [torch.ones_like(p) for p in other])
+    foreign.step()
+    same = [torch.zeros_like(p, requires_grad=True) for p in params]
+    adamw = AdamW([{"params": same[:5]}, {"params": same[5:]}], lr=0.01)
+    set_grads(same, [torch.ones_like(p) for p in same])
+    adamw.step()
+    out = {}
+    for case, sd in (("other model", foreign.state_dict()), ("other optimizer", adamw.state_dict())):
+        before = [p.detach().clone() for p in params] + _state_tensors(opt)
+        err = _error(lambda sd=sd: opt.load_state_dict(sd))
+        out[case] = (err, bitwise(before, [p.detach().clone() for p in params] + _state_tensors(opt)))
+    for t in (2, 3):
+        set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    out["after"] = [p.detach().clone() for p in params]
+    opt.consolidate_state_dict(to=0)
+    shared = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    old = {k: v for k, v in shared[0].items() if k != "skipped_steps"}
+    out["saved_skipped_steps"] = shared[0].get("skipped_steps")
+    out["old_dict"] = _error(lambda: opt.load_state_dict(old))
+    return out
+
+
+def _chain(group, others_shapes=((10,), (5, 4), (3,)), seed: int = 0):
+    from optbook.distributed import DistributedChain, DistributedOptimizer
+
+    matrices, _ = muon_problem(seed)
+    gen = torch.Generator().manual_seed(seed + 17)
+    others = [(torch.randint(-64, 64, s, generator=gen) / 64).double().requires_grad_() for s in others_shapes]
+    muon = LayerWiseMuon(matrices, process_group=group, **MUON_OPTIONS)
+    adamw = DistributedOptimizer(others, process_group=group, lr=0.01, weight_decay=0.1)
+    return matrices, others, DistributedChain(muon, adamw, max_grad_norm=3.0)
+
+
+def _other_grads(others, step, rank, world_size, seed: int = 0):
+    """Dyadic per-rank gradients of the AdamW tensors whose mean is exact; returns ``(rank's, mean)``."""
+    gen = torch.Generator().manual_seed(7 * seed + 31 * step + 5)
+    mean = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).double() for p in others]
+    gen = torch.Generator().manual_seed(7 * seed + 31 * step + 6)
+    mine = [g + (rank - (world_size - 1) / 2) * (torch.randint(-512, 512, g.shape, generator=gen) / 256).double()
+            for g in mean]
+    return mine, mean
+
+
+def chain_reference_shapes(others_shapes, steps: int = 2, seed: int = 0) -> list[torch.Tensor]:
+    """Single process ``ChainedOptimizer([Muon, AdamW], max_grad_norm=3)`` on the mean gradients of
+    :func:`_chain`'s problem with AdamW tensors of ``others_shapes``."""
+    from optbook.distributed.muon_workers import muon_mean_grads
+    from optbook.optim import AdamW, ChainedOptimizer, Muon
+
+    matrices, _ = muon_problem(seed)
+    gen = torch.Generator().manual_seed(seed + 17)
+    others = [(torch.randint(-64, 64, s, generator=gen) / 64).double().requires_grad_() for s in others_shapes]
+    chain = ChainedOptimizer([Muon(matrices, **MUON_OPTIONS), AdamW(others, lr=0.01, weight_decay=0.1)],
+                             max_grad_norm=3.0)
+    for t in range(steps):
+        set_grads(matrices, muon_mean_grads(matrices, t, seed))
+        set_grads(others, _other_grads(others, t, 0, 1, seed)[1])
+        chain.step()
+    return [p.detach().clone() for p in matrices + others]
+
+
+def _chain_snapshot(matrices, others, chain) -> list[torch.Tensor]:
+    inner = chain.adamw.optimizer.state.values()
+    return ([p.detach().clone() for p in matrices + others] + _state_tensors(chain.muon)
+            + [torch.as_tensor(v).clone() for s in inner for v in s.values()])
+
+
+def chain_contract(rank: int, world_size: int, *, group=None) -> dict:
+    """DistributedChain under the step contract: ``"nan_muon"`` / ``"nan_adamw"``: a NaN in the last rank's
+    gradient of a Muon / AdamW parameter, ``((type, message), nothing changed, skipped_steps of chain and
+    AdamW member, found_inf)``; ``"returned"``: ``step(closure)``; ``"zero_dim"``: parameters after 2 steps
+    with a 0-dim AdamW tensor; ``"load_other"``: a chain checkpoint whose AdamW part is of another model,
+    and ``"load_other_muon"``: whose Muon part is, ``((type, message), nothing changed)``; ``"resumed"``:
+    the parameters after a save, a load into a fresh chain and 2 more steps; ``"old_dict"``: loading a dict
+    without ``skipped_steps``."""
+    last = world_size - 1
+    out = {}
+    matrices, others, chain = _chain(group)
+    for case in ("nan_muon", "nan_adamw"):
+        set_grads(matrices, muon_grads(matrices, 0, rank, world_size))
+        set_grads(others, _other_grads(others, 0, rank, world_size)[0])
+        if rank == last:
+            (matrices[2] if case == "nan_muon" else others[1]).grad[0, 0] = float("nan")
+        before = _chain_snapshot(matrices, others, chain)
+        err = _error(chain.step)
+        out[case] = (err, bitwise(before, _chain_snapshot(matrices, others, chain)),
+                     (chain.skipped_steps, chain.adamw.skipped_steps), chain.found_inf)
+    for t in range(2):
+        set_grads(matrices, muon_grads(matrices, t, rank, world_size))
+        set_grads(others, _other_grads(others, t, rank, world_size)[0])
+        out.setdefault("returned", chain.step(closure=lambda: 2.5))
+    out["after_errors"] = [p.detach().clone() for p in matrices + others]
+    out["last_grad_norm"] = chain.last_grad_norm
+    # checkpoints: all or nothing
+    chain.consolidate_state_dict(to=0)
+    shared = [chain.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    good = shared[0]
+    out["skipped_in_dict"] = good.get("skipped_steps")
+    m2, o2, other_chain = _chain(group, others_shapes=((3,), (4, 5), (10,)))
+    set_grads(m2, muon_grads(m2, 0, rank, world_size))
+    set_grads(o2, _other_grads(o2, 0, rank, world_size)[0])
+    other_chain.step()
+    other_chain.consolidate_state_dict(to=0)
+    shared = [other_chain.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    foreign = shared[0]
+    fm, fo, fresh = _chain(group)
+    fresh_params = fm + fo
+    with torch.no_grad():
+        for p, q in zip(fresh_params, out["after_errors"]):
+            p.copy_(q)
+    for case, sd in (("load_other", {**good, "adamw": foreign["adamw"]}),
+                     ("load_other_muon", {**good, "muon": {**good["muon"], "state": {
+                         i: {"momentum_buffer": m["momentum_buffer"].t()} for i, m in good["muon"]["state"].items()}}})):
+        before = _chain_snapshot(fm, fo, fresh)
+        err = _error(lambda sd=sd: fresh.load_state_dict(sd))
+        out[case] = (err, bitwise(before, _chain_snapshot(fm, fo, fresh)))
+    out["old_dict"] = _error(lambda: fresh.load_state_dict({k: v for k, v in good.items() if k != "skipped_steps"}))
+    fresh.load_state_dict(good)
+    for t in (2, 3):
+        set_grads(matrices, muon_grads(matrices, t, rank, world_size))
+        set_grads(others, _other_grads(others, t, rank, world_size)[0])
+        chain.step()
+        set_grads(fm, muon_grads(fm, t, rank, world_size))
+        set_grads(fo, _other_grads(fo, t, rank, world_size)[0])
+        fresh.step()
+    out["uninterrupted"] = [p.detach().clone() for p in matrices + others]
+    out["resumed"] = [p.detach().clone() for p in fm + fo]
+    # a 0-dim AdamW tensor
+    zm, zo, zchain = _chain(group, others_shapes=((10,), (), (3,)))
+    for t in range(2):
+        set_grads(zm, muon_grads(zm, t, rank, world_size))
+        set_grads(zo, _other_grads(zo, t, rank, world_size)[0])
+        zchain.step()
+    out["zero_dim"] = [p.detach().clone() for p in zm + zo]
+    return out
+
+
+def cross_rank_checks(rank: int, world_size: int, *, group=None) -> dict:
+    """Construction on ranks that disagree (the last rank's parameter 1 has another shape, then another
+    dtype, then one parameter more), and with a 0-dim parameter: ``{case: (type, message)}`` per class."""
+    last = world_size - 1
+    out = {}
+    f64 = torch.float64
+    cases = {
+        "shape": lambda: [torch.zeros(2, 2, dtype=f64), torch.zeros(3 if rank == last else 2, 2, dtype=f64)],
+        "dtype": lambda: [torch.zeros(2, 2, dtype=f64),
+                          torch.zeros(2, 2, dtype=torch.float32 if rank == last else f64)],
+        "count": lambda: [torch.zeros(2, 2, dtype=f64)] * (1 + (rank == last)),
+        "zero_dim": lambda: [torch.zeros(2, 2, dtype=f64), torch.zeros((), dtype=f64)],
+    }
+    for kind in ("layerwise", "moonlight"):
+        for case, make in cases.items():
+            params = [p.clone().requires_grad_() for p in make()]
+            out[kind, case] = _error(lambda params=params, kind=kind: _make(kind, params, group))
+    return out
+
+
+def contract_suite(rank: int, world_size: int) -> dict:
+    """Every check of ``tests/test_muon_contract.py`` in one launch of 4 processes, on the groups of
+    :data:`MUON_SUITE_GROUPS`: ``{size: {"moonlight", "layerwise", "foreign_moonlight", "foreign_layerwise",
+    "chain", "cross"}}`` (``None`` for a size this rank is not in)."""
+    if world_size != 4:
+        raise ValueError(f"Invalid world_size: contract_suite runs on 4 processes, got {world_size}")
+    torch.set_num_threads(1)
+    groups = {size: dist.new_group(ranks) for size, ranks in MUON_SUITE_GROUPS.items()}
+    out = {}
+    for size, ranks in MUON_SUITE_GROUPS.items():
+        report = None
+        if rank in ranks:
+            g, r = groups[size], ranks.index(rank)
+            report = {"moonlight": owner_checks(r, size, group=g), "layerwise": owner_checks(r, size, group=g,
+                                                                                             kind="layerwise"),
+                      "foreign_moonlight": foreign_checkpoints(r, size, group=g),
+                      "foreign_layerwise": foreign_checkpoints(r, size, group=g, kind="layerwise"),
+                      "chain": chain_contract(r, size, group=g), "cross": cross_rank_checks(r, size, group=g)}
+        out[size] = report
+        dist.barrier()
+    return out

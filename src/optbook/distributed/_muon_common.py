@@ -12,12 +12,14 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..contract import NonFiniteGradientError
 from ..optim import muon
 from ..optim._validation import check_int, check_number
+from ..optim.optimizer import all_finite
 from ._ranks import global_rank
 
 __all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "clip_coefficient", "consolidate",
-           "consolidated_state", "hyper", "nbytes", "scale_", "sumsq"]
+           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "scale_", "sumsq"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
@@ -64,18 +66,73 @@ def nbytes(numel: int, dtype: torch.dtype) -> int:
 
 
 
-def check_muon_state_dict(state_dict, params) -> None:
-    """A plain Muon state dict whose momentum buffers have their parameters' shapes (the group and parameter
-    counts are checked by ``torch.optim.Optimizer.load_state_dict``)."""
+def check_muon_state_dict(state_dict, opt) -> int:
+    """Validate a plain Muon state dict for ``opt`` (a LayerWiseMuon or DistributedMuon) without writing
+    anything, as ``torch.optim.Optimizer.load_state_dict`` would load it; return its ``skipped_steps``
+    (``opt.skipped_steps`` when the dict has none: dicts saved before the entry existed).
+
+    Checked: a dict with ``state`` and ``param_groups``; the number of groups and of parameters per group;
+    each group's hyperparameters (Muon's checks; a key Muon's groups do not have, e.g. AdamW's ``betas``,
+    is refused); every state entry belongs to a listed parameter and holds only a floating-point
+    ``momentum_buffer`` of its parameter's shape; ``skipped_steps`` an int ``>= 0``.
+
+    Raises:
+        TypeError, ValueError: the first problem found, naming the group, parameter or key.
+    """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups'")
-    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    if len(ids) == len(params):
-        for saved_id, p in zip(ids, params):
-            buf = state_dict["state"].get(saved_id, {}).get("momentum_buffer")
-            if isinstance(buf, torch.Tensor) and buf.shape != p.shape:
-                raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has shape "
-                                 f"{tuple(buf.shape)}, the parameter {tuple(p.shape)}")
+        raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from state_dict() "
+                        "or optbook.optim.Muon.state_dict())")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, dict):
+        raise TypeError("Invalid state_dict: 'param_groups' must be a list and 'state' a dict")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(opt.param_groups)}")
+    param_of = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise TypeError(f"Invalid state_dict: param group {gi} is not a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} parameters, this "
+                             f"optimizer's has {len(group['params'])}")
+        unknown = sorted(set(saved) - set(group))
+        if unknown:
+            raise ValueError(f"Invalid state_dict: param group {gi} has the key(s) {unknown}, which Muon's groups "
+                             "do not have (a checkpoint of another optimizer?)")
+        opt._check_hyperparameters({**group, **{k: v for k, v in saved.items() if k != "params"}})
+        param_of.update(zip(saved["params"], group["params"]))
+    for saved_id, entry in saved_state.items():
+        p = param_of.get(saved_id)
+        if p is None:
+            raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group lists")
+        if not isinstance(entry, dict) or set(entry) - {"momentum_buffer"}:
+            keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(f"Invalid state_dict: state[{saved_id!r}] holds {keys}; Muon keeps only "
+                             "'momentum_buffer' (a checkpoint of another optimizer?)")
+        buf = entry.get("momentum_buffer")
+        if buf is not None and (not isinstance(buf, torch.Tensor) or not buf.is_floating_point()
+                                or buf.shape != p.shape):
+            what = (f"shape {tuple(buf.shape)}, dtype {buf.dtype}" if isinstance(buf, torch.Tensor)
+                    else type(buf).__name__)
+            raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has {what}; the "
+                             f"parameter has shape {tuple(p.shape)} (a checkpoint of another model?)")
+    return check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", opt.skipped_steps), 0)
+
+
+def first_nonfinite(tensors) -> int | None:
+    """The index of the first tensor of ``tensors`` (``None`` entries skipped) holding ``inf`` or ``NaN``,
+    or ``None``; one device synchronisation when all are finite."""
+    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel()]
+    if not present or all_finite([t for _, t in present]):
+        return None
+    return next(i for i, t in present if not bool(torch.isfinite(t).all()))
+
+
+def nonfinite_error(who: str, index: int, param: torch.Tensor) -> NonFiniteGradientError:
+    """The error of a step whose mean gradient of parameter ``index`` (param-group order) is not finite."""
+    return NonFiniteGradientError(f"{who}.step: the mean gradient of parameter {index} (shape "
+                                  f"{tuple(param.shape)}) holds inf or NaN, on every rank; nothing was changed "
+                                  "(without a loss scaler a non-finite gradient is an error: find its cause)")
 
 
 def consolidated_state(opt) -> dict:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._muon_common import check_max_grad_norm, clip_coefficient
+from ..contract import NonFiniteGradientError
+from ..optim._validation import check_int
+from ._muon_common import check_max_grad_norm, check_muon_state_dict, clip_coefficient, nonfinite_error
 from .layerwise_muon import LayerWiseMuon
 
 __all__ = ["DistributedChain"]
@@ -33,11 +35,20 @@ class DistributedChain(torch.optim.Optimizer):
         max_grad_norm: ``None`` or a number ``> 0``.
 
     ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both.
-    Checkpoint each member (``consolidate_state_dict`` then ``state_dict`` on each).
+    Checkpoints: :meth:`consolidate_state_dict` (a collective) then :meth:`state_dict` on the receiving rank
+    gives ``{"muon": ..., "adamw": ..., "skipped_steps": ...}``; :meth:`load_state_dict` validates both
+    members' dicts before either loads.
+
+    Non-finite gradients (the step contract, :mod:`optbook.contract`): there is no loss scaler, so a mean
+    gradient holding ``inf`` or ``NaN`` in either member makes :meth:`step` raise
+    :class:`optbook.contract.NonFiniteGradientError` on every rank before either member writes anything.
+    Attributes ``found_inf`` (the last step found one), ``skipped_steps`` (always 0 here; in the state dict)
+    and ``last_grad_norm`` (the global norm before clipping, float).
 
     Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
     raises), AdamW reduce-scatters, clips by the shared norm and steps its shards, then Muon clips by the
     same coefficient, steps the owned matrices and all-gathers. If AdamW raises, Muon has written nothing.
+    Parameters of any shape, 0-dim ones included, go to the AdamW member (Muon refuses all but 2-D).
 
     Raises:
         TypeError: a member of the wrong type.
@@ -63,7 +74,8 @@ class DistributedChain(torch.optim.Optimizer):
         self.muon, self.adamw = muon, adamw
         self.optimizers = [muon, adamw]
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
         self.defaults = {**adamw.defaults, **muon.defaults}
         self.state = {}  # the members keep their own (sharded) state
         self._optimizer_step_pre_hooks: dict = {}
@@ -82,44 +94,83 @@ class DistributedChain(torch.optim.Optimizer):
         """One chained step (a collective; class docstring).
 
         Returns:
-            ``True`` when applied (``DistributedOptimizer.step``'s return: ``False`` never happens without a
-            loss scaler).
+            The closure's loss, or ``None``.
 
         Raises:
-            ValueError, TypeError: invalid input on any rank, or a non-finite Muon gradient: every rank
-                raises, nothing written by either member.
+            ValueError, TypeError: invalid input on any rank: every rank raises, nothing written by either
+                member.
+            optbook.contract.NonFiniteGradientError: a mean gradient of either member holds ``inf`` or
+                ``NaN``: every rank raises, nothing written by either member.
         """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
-        sumsq, finite = self.muon._reduce()
-        if not finite:
+                loss = closure()
+        total, bad = self.muon._reduce()
+        self.found_inf = bad is not None
+        if bad is not None:
             self.muon._mean_grads = None
-            raise ValueError("DistributedChain.step: a Muon parameter's mean gradient holds inf or NaN (on every "
-                             "rank); nothing was changed")
-        saved = self.adamw.max_grad_norm
+            raise nonfinite_error("DistributedChain (Muon member)", bad, self.muon._params[bad])
+        saved_norm, saved_skipped = self.adamw.max_grad_norm, self.adamw.skipped_steps
         self.adamw.max_grad_norm = self.max_grad_norm
         try:
-            applied = self.adamw.step(extra_grad_sumsq=sumsq)
-        except BaseException:
+            self.adamw.step(extra_grad_sumsq=total)
+        except BaseException as e:
             self.muon._mean_grads = None
+            self.found_inf = isinstance(e, NonFiniteGradientError)
             raise
         finally:
-            self.adamw.max_grad_norm = saved
-        self.last_grad_norm = self.adamw.last_grad_norm
-        if not applied:
+            self.adamw.max_grad_norm = saved_norm
+        if self.adamw.found_inf:  # a DistributedOptimizer that skipped (it wrote nothing): here it is an error
             self.muon._mean_grads = None
-            return False
+            self.adamw.skipped_steps = saved_skipped
+            self.found_inf = True
+            raise NonFiniteGradientError("DistributedChain.step: a mean gradient of the AdamW member holds inf or "
+                                         "NaN, on every rank; nothing was changed (without a loss scaler a "
+                                         "non-finite gradient is an error: find its cause)")
+        self.last_grad_norm = float(self.adamw.last_grad_norm)
         self.muon.last_grad_norm = self.last_grad_norm
-        self.muon._apply(clip_coefficient(float(self.last_grad_norm), self.max_grad_norm))
-        return True
+        self.muon._apply(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none=set_to_none)
         self.adamw.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
-        raise NotImplementedError("DistributedChain: checkpoint each member (consolidate_state_dict, state_dict)")
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Both members' ``consolidate_state_dict(to)`` (a collective), for :meth:`state_dict` on rank ``to``.
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("DistributedChain: load each member's state dict")
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        self.muon.consolidate_state_dict(to)
+        self.adamw.consolidate_state_dict(to)
+
+    def state_dict(self) -> dict:
+        """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
+        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` (any world size). Not a collective: call it on every rank with
+        the same dict. All or nothing: the Muon member's dict is validated (without loading), then the
+        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
+        the Muon member loads; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+
+        Raises:
+            TypeError, ValueError: not a dict with ``"muon"`` and ``"adamw"``; what either member's
+                ``load_state_dict`` raises (a checkpoint of another model is refused); nothing loaded.
+        """
+        if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
+            raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
+                            "DistributedChain.state_dict())")
+        skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
+        check_muon_state_dict(state_dict["muon"], self.muon)
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+        self.skipped_steps = skipped

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..contract import VersionTracker, register_owner
 from ..optim import Muon, muon
 from ..optim._functional import LOW_PRECISION, momentum_directions
 from ..optim.optimizer import all_finite
@@ -25,8 +26,10 @@ from ._muon_common import (
     clip_coefficient,
     consolidate,
     consolidated_state,
+    first_nonfinite,
     hyper,
     nbytes,
+    nonfinite_error,
     scale_,
     sumsq,
 )
@@ -72,13 +75,26 @@ class DistributedMuon(Muon):
             parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
         comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
             :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
-        last_grad_norm: the global norm of the mean gradient at the last step (0-dim float64 tensor).
+        last_grad_norm: the global norm of the mean gradient at the last step, before clipping (float;
+            ``None`` before the first step).
+        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        skipped_steps: always 0 (no loss scaler to skip with); kept in the state dict.
+
+    Who owns the weights (:mod:`optbook.contract`): the flat parameter buffer is this optimizer's copy of the
+    weights, and this rank's shard of it is the truth its next step starts from, so the optimizer registers
+    as the owner of its parameters. At the start of :meth:`step` a parameter written from outside (a
+    weights-only ``model.load_state_dict``, an in-place edit under ``torch.no_grad()``) is copied into the
+    buffer first; :func:`optbook.contract.scale_weights_` (what :func:`optbook.qk_clip_` calls) scales the
+    buffer and rewrites the parameter from it (:meth:`_scale_weights_`). A write through ``p.data`` does not
+    move ``p._version`` and is not seen.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
         ValueError, TypeError: what :class:`optbook.optim.Muon` raises; float16/bfloat16 parameters; bad
-            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks. :meth:`step`: an
-            invalid input or non-finite mean gradient on any rank raises on every rank, nothing written.
+            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks (naming the first and
+            the ranks). :meth:`step`: an invalid input on any rank raises on every rank, nothing written.
+        optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
+            (on every rank, naming the parameter, nothing written).
     """
 
     def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
@@ -107,8 +123,11 @@ class DistributedMuon(Muon):
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
         self._consolidated: dict | None = None
+        self._index = {id(p): i for i, p in enumerate(all_params)}
+        self._versions = VersionTracker()
         with torch.no_grad():
             self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
                                   for d, n in layout.buffer_numel.items()}
@@ -119,6 +138,8 @@ class DistributedMuon(Muon):
                 if p.numel():
                     dist.broadcast(p.data, src=src, group=group)
             self._params_to_buffers()
+        self._versions.record(all_params)
+        register_owner(all_params, self)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "layout", None) is not None:
@@ -131,9 +152,42 @@ class DistributedMuon(Muon):
         return {i: self.state[p]["momentum_shard"] for i, p in enumerate(self._params)
                 if p in self.state and "momentum_shard" in self.state[p]}
 
-    def _params_to_buffers(self) -> None:
-        for r, p in zip(self.layout.params, self._params):
-            self.param_buffers[r.dtype][r.start:r.end].copy_(p.detach().reshape(-1))
+    def _params_to_buffers(self, indices=None) -> None:
+        for i in range(len(self._params)) if indices is None else indices:
+            r = self.layout.params[i]
+            self.param_buffers[r.dtype][r.start:r.end].copy_(self._params[i].detach().reshape(-1))
+
+    def _take_up_outside_writes(self) -> None:
+        """Copy every parameter written since this optimizer's last write into the flat buffer (the step
+        contract's outside writes; host integers only, no device synchronisation)."""
+        changed = self._versions.changed(self._params)
+        if changed:
+            self._params_to_buffers(changed)
+            self._versions.record(self._params)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """Multiply ``param``'s weights by ``factor`` in the buffer the next step starts from and rewrite
+        ``param`` from it (called by :func:`optbook.contract.scale_weights_`). Collective in the contract's
+        sense: every rank must call it with the same factor (each rank scales its whole copy, so no message
+        is sent). The product is ``param``'s dtype times ``factor`` as ``param.mul_(factor)``, bit for bit.
+
+        Raises:
+            ValueError: ``param`` is not one of this optimizer's parameters, or ``factor`` is a tensor that
+                does not broadcast to ``param.shape`` (or sits on another device); nothing written.
+        """
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:
+            raise ValueError("Invalid param: not a parameter of this DistributedMuon")
+        if isinstance(factor, torch.Tensor) and not _broadcasts_to(factor, param):
+            raise ValueError(f"Invalid factor: shape {tuple(factor.shape)} on {factor.device} does not "
+                                 f"broadcast to parameter {i}'s shape {tuple(param.shape)} on {param.device}")
+        self._take_up_outside_writes()
+        r = self.layout.params[i]
+        weights = self.param_buffers[r.dtype][r.start:r.end].view(r.shape)
+        weights.mul_(factor)
+        param.copy_(weights)
+        self._versions.record([param])
 
     def _shard(self, buffers: dict, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
@@ -148,13 +202,16 @@ class DistributedMuon(Muon):
             The closure's loss, or ``None``.
 
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient on any rank, or a non-finite mean
-                gradient: on every rank, before anything is written.
+            ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
+                anything is written.
+            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
+                naming the parameter, before anything is written.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._take_up_outside_writes()
         has_grad = validate_on_every_rank(self, "DistributedMuon")
         self._consolidated = None
         # 1. reduce-scatter the flat gradients, mean
@@ -177,11 +234,16 @@ class DistributedMuon(Muon):
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(stats, group=self.process_group)
         self.comm_bytes["control"] += 16
-        if stats[1] > 0:
-            raise ValueError("DistributedMuon.step: the mean gradient holds inf or NaN (on every rank); skip this "
-                             "step; nothing was changed")
+        self.found_inf = bool(stats[1] > 0)
+        if self.found_inf:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
+            bad = first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
+                p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
+            first = torch.tensor([len(self._params) if bad is None else self.pieces[bad].index], device=self.device)
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.process_group)
+            index = int(first)
+            raise nonfinite_error("DistributedMuon", index, self._params[index])
         norm = math.sqrt(float(stats[0]))
-        self.last_grad_norm = torch.tensor(norm, dtype=torch.float64)
+        self.last_grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm)
         scale_(shards, coef)
         # 3. momentum on this rank's pieces; the directions into a gather buffer
@@ -231,6 +293,7 @@ class DistributedMuon(Muon):
         for r, p in zip(self.layout.params, self._params):
             if r.numel:
                 p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
+        self._versions.record(self._params)
         return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
@@ -255,12 +318,12 @@ class DistributedMuon(Muon):
         plain = super().state_dict()  # param_groups with indices in param-group order
         self._consolidated = {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)}
                                         for i in sorted(buffers)},
-                              "param_groups": plain["param_groups"]}
+                              "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
         ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
-        parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
+        parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
         :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
         DistributedMuon at any world size.
 
@@ -275,11 +338,12 @@ class DistributedMuon(Muon):
         pieces of the momentum. Not a collective: call it on every rank with the same dict.
 
         Raises:
-            TypeError, ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts
-                differ), or a momentum buffer whose shape is not its parameter's; before anything is loaded.
+            TypeError, ValueError: the whole dict is validated first (group and parameter counts,
+                hyperparameters, state keys, momentum shapes: a checkpoint of another model or optimizer is
+                refused); nothing is loaded then.
         """
-        check_muon_state_dict(state_dict, self._params)
-        super().load_state_dict(state_dict)
+        skipped = check_muon_state_dict(state_dict, self)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
                 if "momentum_buffer" in self.state.get(p, {})}
         self.state.clear()
@@ -287,7 +351,16 @@ class DistributedMuon(Muon):
             if piece.index in full:
                 flat = full[piece.index].reshape(-1)[piece.param_start:piece.param_end]
                 self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
+        self.skipped_steps = skipped
         self._consolidated = None
+
+
+def _broadcasts_to(factor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param.mul_(factor)`` keeps ``param``'s shape (and both are on one device)."""
+    try:
+        return factor.device == param.device and torch.broadcast_shapes(factor.shape, param.shape) == param.shape
+    except RuntimeError:
+        return False
 
 
 def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

@@ -46,15 +46,16 @@ import torch.distributed as dist
 from ..optim import Muon, muon
 from ..optim._validation import check_int
 from ..optim.muon import split_rows
-from ..optim.optimizer import all_finite
 from ._muon_common import (
     check_max_grad_norm,
     check_muon_state_dict,
     clip_coefficient,
     consolidate,
     consolidated_state,
+    first_nonfinite,
     hyper,
     nbytes,
+    nonfinite_error,
     scale_,
     sumsq,
 )
@@ -176,7 +177,11 @@ class LayerWiseMuon(Muon):
         state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state).
         comm_bytes: ``{"all_reduce": ..., "all_gather": ..., "control": ...}`` bytes counted since
             construction (module docstring's convention); :meth:`predicted_comm_bytes` per step.
-        last_grad_norm: the L2 norm of the averaged gradients at the last step (0-dim float64 tensor).
+        last_grad_norm: the L2 norm of the averaged gradients at the last step, before clipping (float;
+            ``None`` before the first step).
+        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
+            with (kept in the state dict, as every optbook wrapper's).
 
     The step (a collective)::
 
@@ -195,7 +200,13 @@ class LayerWiseMuon(Muon):
         ValueError, TypeError: what :class:`optbook.optim.Muon` raises; parameters that differ between
             ranks or sit on several devices; a bad ``assignment`` or ``max_grad_norm``. Before anything is
             written. :meth:`step` raises on **every** rank when one rank's input is invalid (hyperparameter,
-            gradient shape/dtype, non-finite gradient), with nothing written on any rank.
+            gradient shape/dtype), with nothing written on any rank.
+        optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
+            (on every rank, naming the parameter, nothing written; the step contract of
+            :mod:`optbook.contract`).
+
+    Outside writes to the parameters (``model.load_state_dict``, :func:`optbook.qk_clip_`) need no care:
+    the owners step the model's parameters themselves, so this class keeps no copy of the weights.
     """
 
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
@@ -220,7 +231,8 @@ class LayerWiseMuon(Muon):
                        else round_robin_assign(len(self.costs), world_size))
         self.loads = rank_loads(self.costs, self.owners, world_size)
         self.comm_bytes = {"all_reduce": 0, "all_gather": 0, "control": 0}
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
         self._consolidated: dict | None = None
         self._mean_grads: list | None = None
         with torch.no_grad():
@@ -263,9 +275,10 @@ class LayerWiseMuon(Muon):
         return torch.promote_types(dtype, torch.float32)
 
     # --- the step in two halves (DistributedChain calls them separately) --------------------------------
-    def _reduce(self) -> tuple[float, bool]:
+    def _reduce(self) -> tuple[float, int | None]:
         """Validate, agree on errors, average the gradients. Returns ``(sum of squares of the mean gradient,
-        all finite)``, the same on every rank. Writes nothing but internal buffers."""
+        index of the first parameter whose mean gradient is not finite, or None)``, the same on every rank.
+        Writes nothing but internal buffers."""
         self._consolidated = None
         self._mean_grads = None
         has_grad = validate_on_every_rank(self, "LayerWiseMuon")
@@ -285,9 +298,8 @@ class LayerWiseMuon(Muon):
             flat.div_(self.world_size)
             for i, v in zip(idx, views):
                 mean[i] = v.view(self._params[i].shape)
-        present = [g for g in mean if g is not None]
         self._mean_grads = mean
-        return sumsq(present), (not present or all_finite(present))
+        return sumsq([g for g in mean if g is not None]), first_nonfinite(mean)
 
     def _apply(self, coef: float) -> None:
         """Clip the mean gradients by ``coef``, step the owned matrices, all-gather every matrix."""
@@ -348,21 +360,22 @@ class LayerWiseMuon(Muon):
         is not stepped.
 
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient on any rank, or a non-finite mean
-                gradient: on every rank, before anything is written (parameters, state and ``.grad`` are
-                bitwise unchanged).
+            ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
+                anything is written (parameters, state and ``.grad`` are bitwise unchanged).
+            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
+                naming the parameter, before anything is written.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sumsq, finite = self._reduce()
-        if not finite:
+        total, bad = self._reduce()
+        self.found_inf = bad is not None
+        if bad is not None:
             self._mean_grads = None
-            raise ValueError("LayerWiseMuon.step: the mean gradient holds inf or NaN (on every rank); skip this "
-                             "step (see the loss scaler); nothing was changed")
-        norm = math.sqrt(sumsq)
-        self.last_grad_norm = torch.tensor(norm, dtype=torch.float64)
+            raise nonfinite_error("LayerWiseMuon", bad, self._params[bad])
+        norm = math.sqrt(total)
+        self.last_grad_norm = norm
         self._apply(clip_coefficient(norm, self.max_grad_norm))
         return loss
 
@@ -384,13 +397,15 @@ class LayerWiseMuon(Muon):
         for part in gathered:
             state.update(part)
         plain = super().state_dict()  # param_groups with indices in param-group order
-        self._consolidated = {"state": {i: state[i] for i in sorted(state)}, "param_groups": plain["param_groups"]}
+        self._consolidated = {"state": {i: state[i] for i in sorted(state)}, "param_groups": plain["param_groups"],
+                              "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to: the plain
         ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups":
-        [...]}``, parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
-        :class:`optbook.optim.Muon` over the same parameters and into a LayerWiseMuon at any world size.
+        [...]}``, parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``
+        (which ``torch.optim`` ignores). It loads into a single-process :class:`optbook.optim.Muon` over the
+        same parameters and into a LayerWiseMuon at any world size.
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
@@ -403,14 +418,17 @@ class LayerWiseMuon(Muon):
         collective: call it on every rank with the same dict.
 
         Raises:
-            ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts differ), or
-                a momentum buffer whose shape is not its parameter's; before anything is loaded.
+            TypeError, ValueError: the whole dict is validated first (``check_muon_state_dict`` of
+                :mod:`optbook.distributed._muon_common`: group and parameter counts, hyperparameters, state
+                keys, momentum shapes -- a checkpoint of another model or optimizer is refused); nothing is
+                loaded then.
         """
-        check_muon_state_dict(state_dict, self._params)
-        super().load_state_dict(state_dict)
+        skipped = check_muon_state_dict(state_dict, self)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for i, p in enumerate(self._params):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
+        self.skipped_steps = skipped
         self._consolidated = None
 
 
