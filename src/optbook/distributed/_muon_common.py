@@ -1,5 +1,5 @@
 """What LayerWiseMuon and DistributedMuon share: the Muon hyperparameters of a group, byte counting, the
-clip arithmetic, and the checkpoint helpers (consolidation on one rank, the plain Muon state-dict check).
+non-finite error, and the checkpoint helpers (consolidation on one rank, the plain Muon state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
 """
@@ -7,7 +7,6 @@ Private to :mod:`optbook.distributed`; the names here are its internal interface
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 import torch.distributed as dist
@@ -18,39 +17,11 @@ from ..optim._validation import check_int, check_number
 from ..optim.optimizer import all_finite
 from ._ranks import global_rank
 
-__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "clip_coefficient", "consolidate",
-           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "scale_", "sumsq"]
+__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
+           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
-#: ``torch.nn.utils.clip_grad_norm_``'s ``1e-6`` in ``max_norm / (norm + 1e-6)`` (as optbook.clipping).
-_CLIP_EPS = 1e-6
-
-
-def clip_coefficient(norm: float, max_grad_norm) -> float:
-    """``min(1, max_norm / (norm + 1e-6))`` as :func:`optbook.clipping.clip_grad_norm_` (1 without clipping)."""
-    if max_grad_norm is None or not math.isfinite(norm):
-        return 1.0
-    return min(1.0, max_grad_norm / (norm + _CLIP_EPS))
-
-
-def scale_(tensors, coef: float) -> None:
-    """Multiply in float64 with one rounding back, as :func:`optbook.clipping.clip_grad_norm_` does."""
-    if coef >= 1.0:
-        return
-    for g in tensors:
-        if g.dtype == torch.float64:
-            g.mul_(coef)
-        else:
-            g.copy_(g.to(torch.float64).mul_(coef))
-
-
-def sumsq(tensors) -> float:
-    """Float64 sum of squares, one ``vector_norm`` per tensor (as :func:`optbook.clipping.get_grad_norm`)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for g in tensors:
-        total += torch.linalg.vector_norm(g, dtype=torch.float64).cpu().square()
-    return float(total)
 
 
 def check_max_grad_norm(value):

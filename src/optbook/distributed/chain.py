@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError
 from ..optim._validation import check_int
-from ._muon_common import check_max_grad_norm, check_muon_state_dict, clip_coefficient, nonfinite_error
+from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
 from .layerwise_muon import LayerWiseMuon
 
 __all__ = ["DistributedChain"]

@@ -16,25 +16,24 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
 from ..contract import VersionTracker, register_owner
 from ..optim import Muon, muon
-from ..optim._functional import LOW_PRECISION, momentum_directions
+from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
+from ._collectives import LOW_PRECISION, all_gather, reduce_scatter
 from ._muon_common import (
     check_max_grad_norm,
     check_muon_state_dict,
-    clip_coefficient,
     consolidate,
     consolidated_state,
     first_nonfinite,
     hyper,
     nbytes,
     nonfinite_error,
-    scale_,
-    sumsq,
 )
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
-from .zero1 import _all_gather, _reduce_scatter, shard_layout
+from .zero1 import shard_layout
 
 __all__ = ["DistributedMuon", "zero1_comm_bytes"]
 
@@ -224,13 +223,13 @@ class DistributedMuon(Muon):
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
                 shard = self._shard(self.grad_buffers, b)
-                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                 group=self.process_group)
                 self.comm_bytes["reduce_scatter"] += nbytes(bucket.numel, bucket.dtype)
                 shard.div_(self.world_size)
                 shards.append(shard)
         # 2. one global norm and one non-finite flag
-        stats = torch.tensor([sumsq(shards), 0.0 if not shards or all_finite(shards) else 1.0],
+        stats = torch.tensor([float(grad_sumsq(shards)), 0.0 if not shards or all_finite(shards) else 1.0],
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(stats, group=self.process_group)
         self.comm_bytes["control"] += 16
@@ -245,7 +244,7 @@ class DistributedMuon(Muon):
         norm = math.sqrt(float(stats[0]))
         self.last_grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm)
-        scale_(shards, coef)
+        scale_grads_(shards, coef)
         # 3. momentum on this rank's pieces; the directions into a gather buffer
         groups = [self._read_floats(g) for g in self.param_groups]
         directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
@@ -266,7 +265,7 @@ class DistributedMuon(Muon):
         for bucket in self.layout.buckets:
             if bucket.numel:
                 lo, hi = bucket.shard(self.rank)
-                _all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
+                all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
                             group=self.process_group)
                 self.comm_bytes["gather"] += nbytes(bucket.numel, self.gather_dtype)
         # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
@@ -287,7 +286,7 @@ class DistributedMuon(Muon):
         # 6. all-gather the parameters, back into the model
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
-                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
                             self._shard(self.param_buffers, b), group=self.process_group)
                 self.comm_bytes["all_gather"] += nbytes(bucket.numel, bucket.dtype)
         for r, p in zip(self.layout.params, self._params):

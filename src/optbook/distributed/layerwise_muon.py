@@ -43,24 +43,22 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
 from ..optim import Muon, muon
 from ..optim._validation import check_int
 from ..optim.muon import split_rows
+from ._collectives import all_gather
 from ._muon_common import (
     check_max_grad_norm,
     check_muon_state_dict,
-    clip_coefficient,
     consolidate,
     consolidated_state,
     first_nonfinite,
     hyper,
     nbytes,
     nonfinite_error,
-    scale_,
-    sumsq,
 )
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
-from .zero1 import _all_gather
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -299,12 +297,12 @@ class LayerWiseMuon(Muon):
             for i, v in zip(idx, views):
                 mean[i] = v.view(self._params[i].shape)
         self._mean_grads = mean
-        return sumsq([g for g in mean if g is not None]), first_nonfinite(mean)
+        return float(grad_sumsq([g for g in mean if g is not None])), first_nonfinite(mean)
 
     def _apply(self, coef: float) -> None:
         """Clip the mean gradients by ``coef``, step the owned matrices, all-gather every matrix."""
         mean, self._mean_grads = self._mean_grads, None
-        scale_([g for g in mean if g is not None], coef)
+        scale_grads_([g for g in mean if g is not None], coef)
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -334,7 +332,7 @@ class LayerWiseMuon(Muon):
             if mine:
                 send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
             recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
-            _all_gather(recv, send, group=self.process_group)
+            all_gather(recv, send, group=self.process_group)
             self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
             for r, ps in enumerate(per_rank):
                 if r == self.rank:
