@@ -419,8 +419,10 @@ def chain_contract(rank: int, world_size: int, *, group=None) -> dict:
     AdamW member, found_inf)``; ``"returned"``: ``step(closure)``; ``"zero_dim"``: parameters after 2 steps
     with a 0-dim AdamW tensor; ``"load_other"``: a chain checkpoint whose AdamW part is of another model,
     and ``"load_other_muon"``: whose Muon part is, ``((type, message), nothing changed)``; ``"resumed"``:
-    the parameters after a save, a load into a fresh chain and 2 more steps; ``"old_dict"``: loading a dict
-    without ``skipped_steps``."""
+    the parameters after a save, a load into a fresh chain and 2 more steps (``"resumed_sharded"``,
+    ``"resumed_listed"``: from this rank's sharded file, from every rank's); ``"sharded_other"`` /
+    ``"sharded_other_muon"``: sharded files of another model; ``"old_dict"``: loading a dict without
+    ``skipped_steps``."""
     last = world_size - 1
     out = {}
     matrices, others, chain = _chain(group)
@@ -466,15 +468,34 @@ def chain_contract(rank: int, world_size: int, *, group=None) -> dict:
         out[case] = (err, bitwise(before, _chain_snapshot(fm, fo, fresh)))
     out["old_dict"] = _error(lambda: fresh.load_state_dict({k: v for k, v in good.items() if k != "skipped_steps"}))
     fresh.load_state_dict(good)
+    # sharded checkpoints: this rank's own file, and every rank's files
+    own, foreign_own = chain.sharded_state_dict(), other_chain.sharded_state_dict()
+    every = [None] * world_size
+    dist.all_gather_object(every, own, group=group)
+    sm, so, sharded = _chain(group)
+    with torch.no_grad():
+        for p, q in zip(sm + so, out["after_errors"]):
+            p.copy_(q)
+    moved = {**own["muon"], "params": [(tuple(shape)[::-1], dtype) for shape, dtype in own["muon"]["params"]]}
+    for case, sd in (("sharded_other", {**own, "adamw": foreign_own["adamw"]}),
+                     ("sharded_other_muon", [{**e, "muon": moved} if k == 0 else e for k, e in enumerate(every)])):
+        before = _chain_snapshot(sm, so, sharded)
+        err = _error(lambda sd=sd: sharded.load_sharded_state_dict(sd))
+        out[case] = (err, bitwise(before, _chain_snapshot(sm, so, sharded)))
+    sharded.load_sharded_state_dict(own)
+    lm, lo, listed = _chain(group)
+    with torch.no_grad():
+        for p, q in zip(lm + lo, out["after_errors"]):
+            p.copy_(q)
+    listed.load_sharded_state_dict(every)
+    runs = [(matrices, others, chain), (fm, fo, fresh), (sm, so, sharded), (lm, lo, listed)]
     for t in (2, 3):
-        set_grads(matrices, muon_grads(matrices, t, rank, world_size))
-        set_grads(others, _other_grads(others, t, rank, world_size)[0])
-        chain.step()
-        set_grads(fm, muon_grads(fm, t, rank, world_size))
-        set_grads(fo, _other_grads(fo, t, rank, world_size)[0])
-        fresh.step()
-    out["uninterrupted"] = [p.detach().clone() for p in matrices + others]
-    out["resumed"] = [p.detach().clone() for p in fm + fo]
+        for ms, os_, opt in runs:
+            set_grads(ms, muon_grads(ms, t, rank, world_size))
+            set_grads(os_, _other_grads(os_, t, rank, world_size)[0])
+            opt.step()
+    out["uninterrupted"], out["resumed"], out["resumed_sharded"], out["resumed_listed"] = (
+        [p.detach().clone() for p in ms + os_] for ms, os_, _ in runs)
     # a 0-dim AdamW tensor
     zm, zo, zchain = _chain(group, others_shapes=((10,), (), (3,)))
     for t in range(2):

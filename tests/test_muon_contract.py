@@ -114,7 +114,13 @@ def test_chain_checkpoint_loads_all_or_nothing_and_resumes(runs, size):
         (etype, msg), untouched = ch["load_other_muon"]
         assert etype == "ValueError" and "momentum_buffer of parameter 0" in msg and untouched
         assert ch["skipped_in_dict"] == 0 and ch["old_dict"] is None
-        assert _bitwise(ch["resumed"], ch["uninterrupted"])
+        (etype, msg), untouched = ch["sharded_other"]
+        assert etype == "ValueError" and "parameter 0 was saved with shape" in msg and untouched
+        (etype, msg), untouched = ch["sharded_other_muon"]
+        assert etype == "ValueError" and "other parameters" in msg and "parameter 0: shape (16, 8)" in msg
+        assert untouched
+        for kind in ("resumed", "resumed_sharded", "resumed_listed"):
+            assert _bitwise(ch[kind], ch["uninterrupted"]), kind
 
 
 @pytest.mark.parametrize("size", SIZES)

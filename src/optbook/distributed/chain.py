@@ -116,9 +116,12 @@ class DistributedChain(torch.optim.Optimizer):
         self.adamw.max_grad_norm = self.max_grad_norm
         try:
             self.adamw.step(extra_grad_sumsq=total)
-        except BaseException as e:
+        except NonFiniteGradientError as e:  # a DistributedOptimizer that raises itself (nothing written)
             self.muon._mean_grads = None
-            self.found_inf = isinstance(e, NonFiniteGradientError)
+            self.found_inf = True
+            raise NonFiniteGradientError(f"DistributedChain (AdamW member): {e}") from e
+        except BaseException:
+            self.muon._mean_grads = None
             raise
         finally:
             self.adamw.max_grad_norm = saved_norm
@@ -174,4 +177,36 @@ class DistributedChain(torch.optim.Optimizer):
         check_muon_state_dict(state_dict["muon"], self.muon)
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
+        self.skipped_steps = skipped
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of both members' state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"muon": LayerWiseMuon.sharded_state_dict(), "adamw": DistributedOptimizer.sharded_state_dict(),
+            "skipped_steps": int}``.
+        """
+        return {"muon": self.muon.sharded_state_dict(), "adamw": self.adamw.sharded_state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files: this rank's own dict, or the list of every rank's dicts of
+        one save (any world size). Not a collective. All or nothing, as :meth:`load_state_dict`: the Muon
+        parts are checked (without loading), then the ``DistributedOptimizer`` loads its parts (it checks
+        them all first), then the Muon member loads.
+
+        Raises:
+            TypeError, ValueError: not this format; what either member's sharded load raises (another rank,
+                world size or model); nothing loaded.
+        """
+        parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+        if not parts or any(not isinstance(sd, dict) or not {"muon", "adamw"} <= set(sd) for sd in parts):
+            raise TypeError("Invalid shards: expected this rank's dict from DistributedChain.sharded_state_dict() "
+                            "or a list of every rank's")
+        pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
+        skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
+        muon_plain = self.muon._plain_from_shards(pick("muon"))
+        check_muon_state_dict(muon_plain, self.muon)
+        self.adamw.load_sharded_state_dict(pick("adamw"))
+        self.muon.load_state_dict(muon_plain)
         self.skipped_steps = skipped

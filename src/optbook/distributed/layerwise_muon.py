@@ -58,7 +58,7 @@ from ._muon_common import (
     nbytes,
     nonfinite_error,
 )
-from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from ._ranks import check_same_params, global_rank, group_info, params_difference, validate_on_every_rank
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -429,6 +429,69 @@ class LayerWiseMuon(Muon):
         self.skipped_steps = skipped
         self._consolidated = None
 
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "owners", "params": [(shape, dtype name)] in
+            param-group order, "state": {index: {"momentum_buffer": CPU tensor}} for the matrices this rank
+            owns, "param_groups": as :meth:`state_dict`, "skipped_steps"}``.
+        """
+        plain = super().state_dict()
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+                "state": {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in plain["state"].items()},
+                "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
+
+    def _plain_from_shards(self, shards) -> dict:
+        """The plain Muon dict that :meth:`load_sharded_state_dict` loads, after every check that does not
+        need it loaded (format, ranks, owners, parameter shapes and dtypes). Writes nothing."""
+        parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else None
+        if not parts or any(not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT for sd in parts):
+            raise TypeError(f"Invalid shards: expected this rank's dict from LayerWiseMuon.sharded_state_dict() "
+                            f"(format {SHARDED_FORMAT!r}) or a list of every rank's")
+        mine = [(tuple(p.shape), str(p.dtype)) for p in self._params]
+        for k, sd in enumerate(parts):
+            difference = params_difference([mine, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+            if difference is not None:
+                where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
+                raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of "
+                                 f"another model?): {where}")
+        if isinstance(shards, dict):
+            if (shards["world_size"], shards["rank"], list(shards["owners"])) != (self.world_size, self.rank,
+                                                                                  self.owners):
+                raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                                 f"{shards['world_size']} with owners {shards['owners']}, this is rank {self.rank} "
+                                 f"of {self.world_size} with owners {self.owners}; to reshard, pass the list of "
+                                 "every rank's file of that save")
+        else:
+            size = parts[0]["world_size"]
+            if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size
+                                                                              for sd in parts):
+                raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
+        state = {}
+        for sd in parts:
+            state.update(sd["state"])
+        return {"state": state, "param_groups": parts[0]["param_groups"], "skipped_steps": parts[0]["skipped_steps"]}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files. Not a collective.
+
+        Args:
+            shards: **this rank's own** dict (saved by the same rank at the same world size and assignment),
+                or the list of **every** rank's dicts of one save at any world size (resharding).
+
+        Raises:
+            TypeError, ValueError: not dicts of this format; a file of another rank, world size or
+                assignment (the message says to pass the list); files saved for other parameter shapes or
+                dtypes (naming the first); what :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        self.load_state_dict(self._plain_from_shards(shards))
+
+
+#: The ``"format"`` entry of :meth:`LayerWiseMuon.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.LayerWiseMuon.sharded/1"
 
 
 # Re-exported: the other two classes of chapter 14 live in their own modules (imported last, since
