@@ -368,6 +368,49 @@ def foreign_checkpoints(rank: int, world_size: int, *, group=None, kind: str = "
     return out
 
 
+def sharded_checks(rank: int, world_size: int, *, group=None, kind: str = "moonlight", previous=None) -> dict:
+    """Sharded checkpoints of ``kind`` after 2 steps: ``"own"`` / ``"listed"``: the parameters after a fresh
+    optimizer loaded this rank's file / every rank's files and ran steps 2 and 3; ``"resharded"``: the same
+    from ``previous`` (every rank's files of a save at another world size, or None); ``"files"``: every
+    rank's files (for the next world size); ``"other_model"``, ``"other_rank"``: ``((type, message), nothing
+    changed)`` for a file of another model and another rank's file."""
+    params, groups = muon_problem()
+    opt = _make(kind, groups, group)
+    for t in range(2):
+        set_grads(params, muon_grads(params, t, rank, world_size))
+        opt.step()
+    own = opt.sharded_state_dict()
+    every = [None] * world_size
+    dist.all_gather_object(every, own, group=group)
+    other = [torch.zeros(p.shape[::-1], dtype=p.dtype, requires_grad=True) for p in params]
+    other_opt = _make(kind, [{**g, "params": other[:5] if i == 0 else other[5:]} for i, g in enumerate(groups)],
+                      group)
+    out = {"files": every}
+
+    def fresh_copy():
+        fresh = [p.detach().clone().requires_grad_() for p in params]
+        return fresh, _make(kind, [{**g, "params": fresh[:5] if i == 0 else fresh[5:]} for i, g in enumerate(groups)],
+                            group)
+
+    for case, sd in (("other_model", other_opt.sharded_state_dict()),
+                     ("other_rank", every[(rank + 1) % world_size])):
+        fresh, loader = fresh_copy()
+        before = [p.detach().clone() for p in fresh] + _state_tensors(loader)
+        out[case] = (_error(lambda sd=sd, loader=loader: loader.load_sharded_state_dict(sd)),
+                     bitwise(before, [p.detach().clone() for p in fresh] + _state_tensors(loader)))
+    for case, sd in (("own", own), ("listed", every), ("resharded", previous)):
+        if sd is None:
+            out[case] = None
+            continue
+        fresh, loader = fresh_copy()
+        loader.load_sharded_state_dict(sd)
+        for t in (2, 3):
+            set_grads(fresh, muon_grads(fresh, t, rank, world_size))
+            loader.step()
+        out[case] = [p.detach().clone() for p in fresh]
+    return out
+
+
 def _chain(group, others_shapes=((10,), (5, 4), (3,)), seed: int = 0):
     from optbook.distributed import DistributedChain, DistributedOptimizer
 
@@ -534,7 +577,7 @@ def contract_suite(rank: int, world_size: int) -> dict:
         raise ValueError(f"Invalid world_size: contract_suite runs on 4 processes, got {world_size}")
     torch.set_num_threads(1)
     groups = {size: dist.new_group(ranks) for size, ranks in MUON_SUITE_GROUPS.items()}
-    out = {}
+    out, previous = {}, {"moonlight": None, "layerwise": None}
     for size, ranks in MUON_SUITE_GROUPS.items():
         report = None
         if rank in ranks:
@@ -544,6 +587,10 @@ def contract_suite(rank: int, world_size: int) -> dict:
                       "foreign_moonlight": foreign_checkpoints(r, size, group=g),
                       "foreign_layerwise": foreign_checkpoints(r, size, group=g, kind="layerwise"),
                       "chain": chain_contract(r, size, group=g), "cross": cross_rank_checks(r, size, group=g)}
-        out[size] = report
+            for kind, files in previous.items():
+                report["sharded_" + kind] = sharded_checks(r, size, group=g, kind=kind, previous=files)
+        shared = [None if report is None else {k: report["sharded_" + k].pop("files") for k in previous}]
+        dist.broadcast_object_list(shared, src=ranks[0])
+        previous, out[size] = shared[0], report
         dist.barrier()
     return out

@@ -210,7 +210,8 @@ def test_bad_input_on_one_rank_makes_every_rank_raise_before_any_write(runs, ref
         else:
             assert sparse[0] == "ValueError" and f"rank {last} of the group" in sparse[1]
         assert ("Invalid lr" in lr[1]) if rank == 0 else (f"{name}.step: rank 0 of the group" in lr[1])
-        assert "inf or NaN" in nan[1] and "Invalid momentum" in momentum[1]
+        assert nan[0] == "NonFiniteGradientError" and "inf or NaN" in nan[1] and "parameter 2" in nan[1]
+        assert "Invalid momentum" in momentum[1]
         for case, err in bad["constructor_errors"].items():
             assert err is not None, case
         assert "same parameters" in bad["constructor_errors"]["differs"][1]

@@ -147,3 +147,19 @@ def test_construction_on_ranks_that_disagree_names_the_parameter_the_ranks_and_b
                 f"[{last}]") in cross[kind, "count"][1]
         etype, msg = cross[kind, "zero_dim"]
         assert etype == "ValueError" and "2-D" in msg and "shape ()" in msg
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("size", SIZES)
+def test_sharded_checkpoints_resume_bit_for_bit_and_refuse_files_of_another_model_or_rank(runs, size, kind):
+    ref = muon_reference(4)
+    for rep in runs[size]:
+        sh = rep["sharded_" + kind]
+        assert _bitwise(sh["own"], ref) and _bitwise(sh["listed"], ref)
+        if size != 2:  # the 3-rank run loads the 2-rank files, the 4-rank run the 3-rank ones
+            assert _bitwise(sh["resharded"], ref)
+        (etype, msg), untouched = sh["other_model"]
+        assert etype == "ValueError" and "other parameters" in msg and "parameter 0: shape (16, 8)" in msg
+        assert untouched
+        (etype, msg), untouched = sh["other_rank"]
+        assert etype == "ValueError" and "pass the list" in msg and untouched

@@ -15,10 +15,10 @@ from ..contract import NonFiniteGradientError
 from ..optim import muon
 from ..optim._validation import check_int, check_number
 from ..optim.optimizer import all_finite
-from ._ranks import global_rank
+from ._ranks import global_rank, params_difference
 
 __all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
-           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error"]
+           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "shard_parts"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
@@ -123,3 +123,43 @@ def consolidate(opt, local, to: int):
     dist.gather_object(local, gathered, dst=global_rank(opt.process_group, to), group=opt.process_group)
     return gathered
 
+
+def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
+    """Check sharded checkpoint files for ``opt`` without loading anything; return them as a list.
+
+    Args:
+        shards: this rank's own dict, or the list of every rank's dicts of one save (any world size).
+        opt: the LayerWiseMuon or DistributedMuon loading them (its ``_params``, ``rank``, ``world_size``).
+        fmt: the ``"format"`` entry the files must have.
+        layout_key, layout: the entry saying which part of the state a file holds (``"owners"`` of
+            LayerWiseMuon, ``"pieces"`` ranges of DistributedMuon) and this rank's value of it: an own file
+            must match it (same world size, rank and layout), else the list of all files is needed.
+
+    Raises:
+        TypeError: not dicts of format ``fmt``.
+        ValueError: a file saved for other parameter shapes or dtypes (naming the first that differs); an own
+            file of another rank, world size or layout (saying to pass the list); a list that is not ranks
+            ``0 .. W - 1`` of one save.
+    """
+    who = type(opt).__name__
+    parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+    if not parts or any(not isinstance(sd, dict) or sd.get("format") != fmt for sd in parts):
+        raise TypeError(f"Invalid shards: expected this rank's dict from {who}.sharded_state_dict() (format "
+                        f"{fmt!r}) or a list of every rank's")
+    mine = [(tuple(p.shape), str(p.dtype)) for p in opt._params]
+    for k, sd in enumerate(parts):
+        difference = params_difference([mine, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+        if difference is not None:
+            where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
+            raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
+                             f"model?): {where}")
+    if isinstance(shards, dict):
+        if (shards["world_size"], shards["rank"], shards[layout_key]) != (opt.world_size, opt.rank, layout):
+            raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                             f"{shards['world_size']} (or with another {layout_key}), this is rank {opt.rank} of "
+                             f"{opt.world_size}; to reshard, pass the list of every rank's file of that save")
+    else:
+        size = parts[0]["world_size"]
+        if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size for sd in parts):
+            raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
+    return parts

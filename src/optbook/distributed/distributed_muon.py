@@ -31,6 +31,7 @@ from ._muon_common import (
     hyper,
     nbytes,
     nonfinite_error,
+    shard_parts,
 )
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 from .zero1 import shard_layout
@@ -303,21 +304,25 @@ class DistributedMuon(Muon):
         Raises:
             TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
         """
-        local = [(piece.index, piece.param_start, piece.param_end,
-                  self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
-                 for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
-        gathered = consolidate(self, local, to)
-        if gathered is None:
-            self._consolidated = None
-            return
+        gathered = consolidate(self, self._local_pieces(), to)
+        self._consolidated = None if gathered is None else self._assemble(gathered)
+
+    def _local_pieces(self) -> list[tuple]:
+        """``(index, param_start, param_end, momentum piece on the CPU)`` for each piece with momentum here."""
+        return [(piece.index, piece.param_start, piece.param_end,
+                 self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
+                for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
+
+    def _assemble(self, parts) -> dict:
+        """The plain Muon dict whose momentum matrices are put together from the ranks' ``parts`` (lists of
+        :meth:`_local_pieces` tuples; elements no part covers are zero)."""
         buffers: dict[int, torch.Tensor] = {}
-        for part in gathered:
+        for part in parts:
             for index, start, end, m in part:
                 buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
         plain = super().state_dict()  # param_groups with indices in param-group order
-        self._consolidated = {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)}
-                                        for i in sorted(buffers)},
-                              "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
+        return {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)} for i in sorted(buffers)},
+                "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
@@ -352,6 +357,44 @@ class DistributedMuon(Muon):
                 self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
         self.skipped_steps = skipped
         self._consolidated = None
+
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's momentum pieces, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in param-group
+            order, "pieces": [(index, param_start, param_end)] of this rank, "momentum": [(index, param_start,
+            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps"}``.
+        """
+        plain = super().state_dict()
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+                "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],
+                "momentum": self._local_pieces(), "param_groups": plain["param_groups"],
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files. Not a collective.
+
+        Args:
+            shards: **this rank's own** dict (saved by the same rank at the same world size and layout), or
+                the list of **every** rank's dicts of one save at any world size (resharding).
+
+        Raises:
+            TypeError, ValueError: not dicts of this format; a file of another rank, world size or layout (the
+                message says to pass the list); files saved for other parameter shapes or dtypes (naming the
+                first); what :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        parts = shard_parts(shards, self, SHARDED_FORMAT, "pieces",
+                            [(p.index, p.param_start, p.param_end) for p in self.pieces])
+        plain = self._assemble([sd["momentum"] for sd in parts])
+        plain.update(param_groups=parts[0]["param_groups"], skipped_steps=parts[0]["skipped_steps"])
+        self.load_state_dict(plain)
+
+
+#: The ``"format"`` entry of :meth:`DistributedMuon.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.DistributedMuon.sharded/1"
 
 
 def _broadcasts_to(factor: torch.Tensor, param: torch.Tensor) -> bool:

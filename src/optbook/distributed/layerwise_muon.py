@@ -57,8 +57,9 @@ from ._muon_common import (
     hyper,
     nbytes,
     nonfinite_error,
+    shard_parts,
 )
-from ._ranks import check_same_params, global_rank, group_info, params_difference, validate_on_every_rank
+from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -447,29 +448,7 @@ class LayerWiseMuon(Muon):
     def _plain_from_shards(self, shards) -> dict:
         """The plain Muon dict that :meth:`load_sharded_state_dict` loads, after every check that does not
         need it loaded (format, ranks, owners, parameter shapes and dtypes). Writes nothing."""
-        parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else None
-        if not parts or any(not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT for sd in parts):
-            raise TypeError(f"Invalid shards: expected this rank's dict from LayerWiseMuon.sharded_state_dict() "
-                            f"(format {SHARDED_FORMAT!r}) or a list of every rank's")
-        mine = [(tuple(p.shape), str(p.dtype)) for p in self._params]
-        for k, sd in enumerate(parts):
-            difference = params_difference([mine, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
-            if difference is not None:
-                where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
-                raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of "
-                                 f"another model?): {where}")
-        if isinstance(shards, dict):
-            if (shards["world_size"], shards["rank"], list(shards["owners"])) != (self.world_size, self.rank,
-                                                                                  self.owners):
-                raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
-                                 f"{shards['world_size']} with owners {shards['owners']}, this is rank {self.rank} "
-                                 f"of {self.world_size} with owners {self.owners}; to reshard, pass the list of "
-                                 "every rank's file of that save")
-        else:
-            size = parts[0]["world_size"]
-            if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size
-                                                                              for sd in parts):
-                raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
+        parts = shard_parts(shards, self, SHARDED_FORMAT, "owners", list(self.owners))
         state = {}
         for sd in parts:
             state.update(sd["state"])
