@@ -7,13 +7,17 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError
 from ..optim._validation import check_int
 from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
-from .layerwise_muon import LayerWiseMuon
+
+if TYPE_CHECKING:
+    from .layerwise_muon import LayerWiseMuon
 
 __all__ = ["DistributedChain"]
 
@@ -58,6 +62,7 @@ class DistributedChain(torch.optim.Optimizer):
     """
 
     def __init__(self, muon: LayerWiseMuon, adamw, max_grad_norm=None):
+        from .layerwise_muon import LayerWiseMuon  # here: layerwise_muon re-exports this module's class
         from .zero1 import DistributedOptimizer
 
         if not isinstance(muon, LayerWiseMuon):

@@ -60,6 +60,8 @@ from ._muon_common import (
     shard_parts,
 )
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from .chain import DistributedChain  # re-exported: the other two classes of chapter 14 have their own modules
+from .distributed_muon import DistributedMuon, zero1_comm_bytes
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -471,9 +473,3 @@ class LayerWiseMuon(Muon):
 
 #: The ``"format"`` entry of :meth:`LayerWiseMuon.sharded_state_dict`.
 SHARDED_FORMAT = "optbook.LayerWiseMuon.sharded/1"
-
-
-# Re-exported: the other two classes of chapter 14 live in their own modules (imported last, since
-# optbook.distributed.chain imports LayerWiseMuon from here).
-from .chain import DistributedChain
-from .distributed_muon import DistributedMuon, zero1_comm_bytes
