@@ -190,7 +190,7 @@ def zero1_padding_clip(rank: int, world_size: int, *, dtype: torch.dtype = torch
         else:
             A.grad, B.grad = gA, gB
         opt.step()
-        norms.append(opt.last_grad_norm.item())
+        norms.append(opt.last_grad_norm)
     real = sum(r.numel for r in opt.layout.params)
     padding_zero = all(bool((buf[real:] == 0).all()) for buf in (*opt.param_buffers.values(),
                                                                    *opt.grad_buffers.values()))
@@ -226,7 +226,7 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
     Returns:
         ``{"params": final parameters, "state_dict": consolidated at the end (rank 0, else None),
         "checkpoint": {"params", "optimizer"} at ``checkpoint_at`` (on the last rank; None when resuming),
-        "applied": step() results, "scales": loss scale after each step, "skipped_steps": int,
+        "applied": whether each step was applied (``not found_inf``), "scales": loss scale after each step, "skipped_steps": int,
         "pieces": this rank's pieces, "memory": memory_bytes()}``.
     """
     from ..precision import DynamicLossScaler
@@ -272,7 +272,8 @@ def zero1_train(rank: int, world_size: int, *, steps: int = 6, seed: int = 0, re
             if t in overflow_at and rank == world_size - 1:
                 grads[0][0, 0] = float("inf")
         _set_grads(params, grads)
-        applied.append(opt.step())
+        opt.step()
+        applied.append(not opt.found_inf)
         scales.append(opt.loss_scale)
         opt.zero_grad()
     opt.consolidate_state_dict(to=0)
@@ -484,7 +485,9 @@ def _wrong_size_error(rank: int, world_size: int, group, path: str) -> dict:
 def _zero1_scheduler_and_hooks(group=None) -> dict:
     """Two steps under ``LambdaLR(lambda s: 0.5 ** s)`` with a step pre- and post-hook: the lrs used and
     the hook calls (each hook must run once per step); then a third step with an ``inf`` in the last rank's
-    gradient and no loss scaler, which every rank must skip ("inf_applied", "inf_untouched")."""
+    gradient and no loss scaler, which must raise ``NonFiniteGradientError`` on every rank with nothing
+    written ("inf_error": (type name, message), "inf_untouched")."""
+    from ..contract import NonFiniteGradientError
     from .zero1 import DistributedOptimizer
 
     p = torch.ones(3, dtype=torch.float64, requires_grad=True)
@@ -496,7 +499,7 @@ def _zero1_scheduler_and_hooks(group=None) -> dict:
     lrs = []
     for _ in range(2):
         p.grad = torch.ones(3, dtype=torch.float64)
-        assert opt.step()
+        assert opt.step() is None and not opt.found_inf
         lrs.append(opt.optimizer.param_groups[0]["lr"])  # what the shard step used
         sched.step()
     # an inf in the last rank's gradient, no loss scaler: found on the shard's owner, every rank skips
@@ -504,8 +507,12 @@ def _zero1_scheduler_and_hooks(group=None) -> dict:
     p.grad = torch.ones(3, dtype=torch.float64)
     if dist.get_rank(group) == dist.get_world_size(group) - 1:
         p.grad[0] = float("inf")
-    applied = opt.step()
-    return {"calls": calls, "lrs": lrs, "param": before, "inf_applied": applied,
+    try:
+        opt.step()
+        error = None
+    except NonFiniteGradientError as e:
+        error = (type(e).__name__, str(e))
+    return {"calls": calls, "lrs": lrs, "param": before, "inf_error": error,
             "inf_untouched": torch.equal(before, p.detach()), "skipped_steps": opt.skipped_steps}
 
 
@@ -581,7 +588,7 @@ def _zero1_chapter_checks(rank: int, world_size: int, group, steps: int, seed: i
         torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()
         opt.step()
         opt.zero_grad()
-        norms.append(opt.last_grad_norm.item())
+        norms.append(opt.last_grad_norm)
     out["mlp"], out["norms"] = [p.detach() for p in model.parameters()], norms
 
     model16 = chapter_mlp(seed, torch.bfloat16)
@@ -589,7 +596,8 @@ def _zero1_chapter_checks(rank: int, world_size: int, group, steps: int, seed: i
                                  loss_scaler=DynamicLossScaler(2.0**8))
     loss = torch.nn.functional.mse_loss(model16(X[mine].bfloat16()).float(), Y[mine].float())
     opt16.scale_loss(loss).backward()
-    out["applied16"] = opt16.step()
+    opt16.step()
+    out["applied16"] = not opt16.found_inf
     out["ledger"] = opt16.memory_bytes()
 
     ours_model, zero_model = chapter_mlp(seed, torch.float32), chapter_mlp(seed, torch.float32)
@@ -649,7 +657,8 @@ def memory_chapter(rank: int, world_size: int, *, seed: int = 0) -> dict:
         opt = DistributedOptimizer(model.parameters(), lr=1e-3, param_alignment=align[0],
                                    bucket_alignment=align[1])
         torch.nn.functional.mse_loss(model(X[mine].bfloat16()).float(), Y[mine].float()).backward()
-        applied = opt.step()
+        opt.step()
+        applied = not opt.found_inf
         opt.zero_grad()
         (bucket,) = opt.layout.buckets
         out[name] = {"bytes": measure(opt).bytes, "numel": sum(p.numel() for p in model.parameters()),

@@ -53,11 +53,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import contract
 from ..clipping import clip_coefficient, clip_grad_norm_, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
+from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
 from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
+from ._ranks import check_same_params
 
 __all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
 
@@ -229,12 +232,6 @@ def _clip_with_extra(params, max_norm, group, extra_sumsq: float) -> torch.Tenso
 
 
 # --- the optimizer ------------------------------------------------------------------------------------------
-def _not_elementwise() -> tuple:
-    from ..optim import SOAP, Adafactor, ChainedOptimizer, Muon, Shampoo
-
-    return (Muon, Shampoo, SOAP, Adafactor, ChainedOptimizer)
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
     """ZeRO-1 around an element-wise optimizer: reduce-scatter, shard step, all-gather (module docstring).
 
@@ -294,14 +291,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"Invalid optimizer_class: expected a torch.optim.Optimizer subclass, got "
                             f"{optimizer_class!r}")
-        if issubclass(optimizer_class, _not_elementwise()):
-            raise ValueError(f"Invalid optimizer_class: {optimizer_class.__name__} does not update "
-                             "element by element, so it cannot step a shard that cuts through a matrix; use "
-                             "AdamW, Adam, SGD or Lion (whole-matrix optimizers need ownership of whole "
-                             "matrices, chapter 14)")
-        from ..precision import _check_loss_scaler
-
-        _check_loss_scaler(loss_scaler)
+        if not contract.elementwise(optimizer_class):
+            raise ValueError(f"Invalid optimizer_class: {optimizer_class.__module__}.{optimizer_class.__qualname__} "
+                             "is not element-wise (optbook.contract.elementwise: its class attribute "
+                             "'elementwise', or torch.optim's element-wise classes), so it cannot step a shard "
+                             "that cuts through a matrix; use AdamW, Adam, SGD or Lion (whole-matrix optimizers "
+                             "need ownership of whole matrices, chapter 14)")
+        check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         group = dist.group.WORLD if process_group is None else process_group
@@ -321,6 +317,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  "optbook.precision.DynamicLossScaler()")
         layout = shard_layout(all_params, world_size, bucket_size=bucket_size,
                               param_alignment=param_alignment, bucket_alignment=bucket_alignment)
+        check_same_params(all_params, group, world_size, "DistributedOptimizer")  # one collective
 
         # Nothing was changed up to here.
         self._layout = None  # add_param_group is allowed while the base class builds the groups
@@ -334,9 +331,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.found_inf = False
         self.skipped_steps = 0
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
         self._consolidated: dict | None = None
         self._params = all_params
+        self._index_of = {id(p): i for i, p in enumerate(all_params)}
         self.device = next(iter(devices))
         self._global_ranks = [q if group is dist.group.WORLD else dist.get_global_rank(group, q)
                               for q in range(world_size)]
@@ -384,6 +382,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._piece_grads.append(self.grad_buffers[dtype][lo:hi])
             inner_groups[group_of[piece.index]]["params"].append(target)
         self.optimizer = optimizer_class(inner_groups, **defaults)
+        self._class_kwargs = dict(defaults)  # how optimizer_class was called (the probe of _state_kinds)
+        # The owner of the model's parameters (optbook.contract): writes through the flat buffers do not move a
+        # parameter's own version counter, so only writes made through the parameter show up here.
+        self._versions = contract.VersionTracker()
+        self._versions.record(all_params)
+        contract.register_owner(all_params, self)
 
     # --- small helpers ----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -400,9 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale ``S`` (``1.0`` without a scaler)."""
-        from ..precision import _scaler_scale
-
-        return 1.0 if self.loss_scaler is None else _scaler_scale(self.loss_scaler)
+        return 1.0 if self.loss_scaler is None else loss_scale_of(self.loss_scaler)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S`` for ``backward()`` (a float16/bfloat16 loss is cast to float32 first).
@@ -412,7 +414,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-        return (loss.float() if loss.dtype in LOW_PRECISION else loss) * self.loss_scale
+        return scaled_loss(loss, self.loss_scale)
 
     def _param_view(self, index: int) -> torch.Tensor:
         r = self.layout.params[index]
@@ -457,10 +459,86 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def reload_model_params(self) -> None:
         """Copy this rank's pieces of the low-precision model parameters into their float32 masters (after
-        editing the model's weights in place, identically on every rank). Not a collective."""
+        editing the model's weights in place, identically on every rank). Not a collective.
+
+        :meth:`step` does this by itself for every parameter written in place since the optimizer's last
+        write (its version counter moved, :class:`optbook.contract.VersionTracker`); this method also takes
+        up writes that bypassed the parameter (e.g. through ``param_buffers``)."""
         with torch.no_grad():
             for b, master in self.master_shards.items():
                 master.copy_(self._shard(self.param_buffers, b))
+        self._versions.record(self._params)
+
+    @torch.no_grad()
+    def _take_up_outside_writes(self) -> None:
+        """The step contract's take-up (:mod:`optbook.contract`): for each low-precision parameter written in
+        place by someone else since this optimizer's last write (its ``_version`` moved; host integers, no
+        device synchronisation), copy this rank's pieces of it into the float32 masters. An element whose
+        model value still equals its rounded master keeps the master (with its low bits): a weights-only
+        reload of the same checkpoint changes nothing. float32/float64 parameters are their own masters (the
+        flat buffer is their storage), so their writes need no copy. Not a collective: an outside write must
+        be made identically on every rank."""
+        changed = self._versions.changed(self._params)
+        if not changed:
+            return
+        changed_set = set(changed)
+        for piece, target in zip(self.pieces, self._piece_params):
+            if piece.index in changed_set and piece.bucket in self.master_shards:
+                take_up_(target, self._param_view(piece.index)[piece.param_start:piece.param_end])
+        self._versions.record(self._params[i] for i in changed)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """Multiply ``param``'s weights by ``factor`` in this optimizer's copy and rewrite the model's
+        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls this).
+
+        A collective: every rank of the group calls it with the same ``param`` (its replica) and ``factor``.
+        Each rank multiplies the part of its shard that belongs to ``param`` -- ``factor`` expanded to
+        ``param.shape``, flattened and sliced to the piece's range -- in the shard's dtype (the float32
+        master of a float16/bfloat16 parameter; the parameter itself for float32/float64), then the
+        parameter's bucket is gathered again, so every rank's ``param`` holds the scaled (rounded) master.
+
+        Args:
+            param: one of this optimizer's parameters (the model's tensor).
+            factor: a Python number or a real tensor broadcastable to ``param.shape`` (a row scaling of a
+                matrix: shape ``(rows, 1)``), the same on every rank.
+
+        Raises:
+            ValueError: ``param`` is not one of this optimizer's parameters, or ``factor`` does not broadcast
+                to its shape. Raised on the rank where it happens, before any write or communication.
+        """
+        index = self._index_of.get(id(param))
+        if index is None or self._params[index] is not param:
+            raise ValueError(f"Invalid param: a tensor of shape {tuple(param.shape)} that this "
+                             "DistributedOptimizer does not hold")
+        r = self.layout.params[index]
+        try:
+            flat = torch.as_tensor(factor).to(param.device).expand(r.shape).reshape(-1)
+        except RuntimeError as e:
+            raise ValueError(f"Invalid factor: shape {tuple(torch.as_tensor(factor).shape)} does not broadcast "
+                             f"to the parameter's shape {r.shape}") from e
+        self._take_up_outside_writes()
+        for piece, target in zip(self.pieces, self._piece_params):
+            if piece.index == index:
+                target.mul_(flat[piece.param_start:piece.param_end].to(target.dtype))
+        if r.bucket in self.master_shards:
+            self._shard(self.param_buffers, r.bucket).copy_(self.master_shards[r.bucket])
+        self._gather(r.bucket)
+
+    def _gather(self, b: int) -> None:
+        """All-gather bucket ``b`` of the parameter buffer from each rank's shard (gloo: each owner
+        broadcasts its shard)."""
+        bucket = self.layout.buckets[b]
+        if not bucket.numel:
+            return
+        if self._gloo_collectives:
+            flat = self.param_buffers[bucket.dtype]
+            for q, src in enumerate(self._global_ranks):
+                lo, hi = bucket.shard(q)
+                dist.broadcast(flat[lo:hi], src=src, group=self.process_group)
+        else:
+            all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                       self._shard(self.param_buffers, b), group=self.process_group)
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, measured from the real tensors.
@@ -505,35 +583,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Mean over ranks, then ``/ S``; whether this rank's shards hold an ``inf``/``NaN``.
 
         When the world size and ``S`` are powers of two, ``g * (1 / (d S))`` is exactly ``(g / d) / S``, so
-        one fused pass (``torch._amp_foreach_non_finite_check_and_unscale_``) divides and checks; otherwise
+        one fused pass (:func:`optbook.precision.unscale_grads_` by ``d S``) divides and checks; otherwise
         the division by ``d`` is its own pass."""
         if not shard_grads:
             return False
         scale = self.loss_scale
         if _is_power_of_two(self.world_size) and _is_power_of_two(scale):
-            inv = 1.0 / (self.world_size * scale)
-        else:
-            for g in shard_grads:
-                g.div_(self.world_size)
-            if self.loss_scaler is None:
-                return not all_finite(shard_grads)
-            inv = 1.0 / scale
-        found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = torch.full((1,), inv, dtype=torch.float32, device=self.device)
-        by_dtype: dict = {}
+            return unscale_grads_(shard_grads, self.world_size * scale)
         for g in shard_grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
-        return bool(found.item())
+            g.div_(self.world_size)
+        if self.loss_scaler is None:
+            return not all_finite(shard_grads)
+        return unscale_grads_(shard_grads, scale)
+
+    def _raise_non_finite(self) -> None:
+        """Every rank agreed that some mean gradient holds ``inf``/``NaN`` and there is no loss scaler: find
+        the first such parameter over the group (one all-reduce, MIN) and raise on every rank."""
+        first = len(self._params)
+        for piece, grad in zip(self.pieces, self._piece_grads):
+            if piece.index < first and not bool(torch.isfinite(grad).all()):  # the error path: syncs are fine
+                first = piece.index
+        index = torch.tensor([first], dtype=torch.float64, device=self.device)
+        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=self.process_group)
+        index = int(index.item())
+        gi, pi = self._group_position(index)
+        raise contract.NonFiniteGradientError(
+            f"DistributedOptimizer.step: the mean gradient of parameter {index} (param_groups[{gi}]['params']"
+            f"[{pi}], shape {self.layout.params[index].shape}) holds inf or NaN and there is no loss_scaler to "
+            "skip the step; nothing was written on any rank. Find the source of the non-finite value, or pass "
+            "loss_scaler= to skip such steps")
+
+    def _group_position(self, index: int) -> tuple[int, int]:
+        """``(group, position in the group)`` of parameter ``index`` (param-group order)."""
+        for gi, g in enumerate(self.param_groups):
+            if index < len(g["params"]):
+                return gi, index
+            index -= len(g["params"])
+        raise IndexError(index)
 
     @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
-    def step(self, closure=None, *, extra_grad_sumsq: float | None = None) -> bool:
+    def step(self, closure=None, *, extra_grad_sumsq: float | None = None):
         """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward`` (on
-                :meth:`scale_loss` of it with a loss scaler); run with gradients enabled, return value unused.
+                :meth:`scale_loss` of it with a loss scaler); run with gradients enabled.
             extra_grad_sumsq: for a chain that clips by one global norm (chapter 14,
                 :class:`optbook.distributed.DistributedChain`): the float64 sum of squares of the other
                 members' mean gradients, the same number ``>= 0`` on every rank. It is added to this
@@ -541,9 +635,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 global norm, and with ``max_grad_norm`` the shards are clipped by it.
 
         Returns:
-            ``True`` when the update was applied; ``False`` when some rank's gradients held ``inf``/``NaN``
-            (every rank skips: parameters, masters and state unchanged, the loss scaler updated once,
-            ``skipped_steps += 1``). Advance a learning-rate scheduler only on ``True``.
+            What ``closure`` returned, or ``None`` (as ``torch.optim.Optimizer.step``). The outcome is in the
+            attributes (:mod:`optbook.contract`): ``found_inf`` -- with a loss scaler, ``True`` when some rank's
+            mean gradient held ``inf``/``NaN`` and every rank skipped (parameters, masters and state unchanged,
+            the loss scaler updated once, ``skipped_steps += 1``; advance a learning-rate scheduler only when
+            it is ``False``); ``last_grad_norm`` -- the global norm of the mean, unscaled gradient before
+            clipping (a float) when ``max_grad_norm`` or ``extra_grad_sumsq`` is given, else ``None``.
+
+        Before anything else, parameters written in place since the optimizer's last write (a weights-only
+        ``model.load_state_dict``, an in-place edit made identically on every rank) are taken up into the
+        float32 masters (:mod:`optbook.contract`), so the step starts from them.
 
         A parameter whose ``grad`` is ``None`` on some ranks contributes zeros from those ranks (the mean
         still divides by the world size, as ``DistributedDataParallel``); one whose ``grad`` is ``None`` on
@@ -555,10 +656,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 ``ValueError`` naming that rank). Nothing has been written then: parameters, masters, state
                 and the ``.grad`` tensors are bitwise unchanged, and the ranks stay in step.
             RuntimeError: a parameter no longer lives in the flat buffer (its ``.data`` was replaced).
+            optbook.contract.NonFiniteGradientError: without a loss scaler, some rank's mean gradient holds
+                ``inf``/``NaN``: raised on every rank, naming the first such parameter; nothing was written on
+                any rank (a ``ValueError``).
         """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         self._consolidated = None
         try:
             self._validate()
@@ -586,7 +691,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                     group=self.process_group)
                 else:
                     reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
-                                    group=self.process_group)
+                                   group=self.process_group)
                 shard_grads.append(shard)
         # 3. mean, unscale, look for inf/NaN on this rank's shards
         found_inf = self._unscale_and_check(shard_grads) if error is None else False
@@ -601,12 +706,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
                              "invalid input (see its error); nothing was changed on any rank")
         found_inf = bool(status[1])
+        if found_inf and self.loss_scaler is None:
+            self._raise_non_finite()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         self.found_inf = found_inf
+        self.last_grad_norm = None
         if found_inf:
             self.skipped_steps += 1
-            return False
+            return loss
+        self._take_up_outside_writes()
         # 5. the pieces' gradients; a parameter without a gradient on every rank is not stepped
         stepped = []
         for piece, target, grad in zip(self.pieces, self._piece_params, self._piece_grads):
@@ -616,9 +725,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # 6. clip by the norm over the group: each rank's pieces are its own (counted once)
         if extra_grad_sumsq is not None:  # a chain's one global norm: this group's squares plus the others'
             self.last_grad_norm = _clip_with_extra(stepped, self.max_grad_norm, self.process_group,
-                                                   float(extra_grad_sumsq))
+                                                   float(extra_grad_sumsq)).item()
         elif self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(stepped, self.max_grad_norm, group=self.process_group)
+            self.last_grad_norm = clip_grad_norm_(stepped, self.max_grad_norm, group=self.process_group).item()
         # 7. the inner step on this rank's shard, with the hyperparameters of param_groups
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
@@ -628,17 +737,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # 8. masters -> low-precision parameter shard; 9. all-gather the parameters
         for b, master in self.master_shards.items():
             self._shard(self.param_buffers, b).copy_(master)
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.numel:
-                if self._gloo_collectives:  # gloo: each owner broadcasts its shard
-                    flat = self.param_buffers[bucket.dtype]
-                    for q, src in enumerate(self._global_ranks):
-                        lo, hi = bucket.shard(q)
-                        dist.broadcast(flat[lo:hi], src=src, group=self.process_group)
-                else:
-                    all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
-                                self._shard(self.param_buffers, b), group=self.process_group)
-        return True
+        for b in range(len(self.layout.buckets)):
+            self._gather(b)
+        return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -759,17 +860,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for saved_id in saved["params"]:
                 index_of[saved_id] = i
                 i += 1
+        owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        kinds = [self._state_kinds({k: v for k, v in g.items() if k != "params"}) for g in saved_groups]
         state: dict[int, dict] = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in index_of:
                 raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
                                  "lists")
             index = index_of[saved_id]
-            shape = self.layout.params[index].shape
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
-                    raise ValueError(f"Invalid state_dict: state[{saved_id!r}][{key!r}] has shape "
-                                     f"{tuple(value.shape)}, its parameter {tuple(shape)}")
+            self._check_state_entry(f"state[{saved_id!r}]", entry, kinds[owner_group[index]], index)
             state[index] = entry
         masters = {}
         for saved_id, value in (state_dict.get("master_params") or {}).items():
@@ -790,7 +889,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         # The inner optimizer's own state dict: this rank's pieces, numbered in its group order.
         inner_state, inner_groups, k = {}, [], 0
-        owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         pieces_of_group: list[list[int]] = [[] for _ in self.param_groups]
         for n, piece in enumerate(self.pieces):
             pieces_of_group[owner_group[piece.index]].append(n)
@@ -802,8 +900,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for k, n in enumerate(order):
             piece = self.pieces[n]
             if piece.index in state:
+                elementwise = kinds[owner_group[piece.index]]
                 inner_state[k] = {key: (v.reshape(-1)[piece.param_start:piece.param_end].clone()
-                                        if isinstance(v, torch.Tensor) and v.dim() > 0 else copy.deepcopy(v))
+                                        if elementwise[key] else copy.deepcopy(v))
                                   for key, v in state[piece.index].items()}
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         for gi, group in enumerate(self.param_groups):
@@ -818,6 +917,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if piece.index in masters:
                     target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
         self._consolidated = None
+        # The model's parameters now agree with the loaded masters (or are the masters' own storage); a
+        # weights-only reload made before this load is superseded by it.
+        self._versions.record(self._params)
+
+    def _state_kinds(self, hyper: dict) -> dict:
+        """``{state key: element-wise?}`` of the inner optimizer's per-parameter state under the group
+        hyperparameters ``hyper``: read from one step of ``optimizer_class`` on a 2-element tensor with a zero
+        gradient (element-wise entries are tensors of that tensor's shape; a step count is not). A 0-dim
+        parameter's state cannot tell the two apart by shape, so the class is asked."""
+        probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+        probe.grad = torch.zeros(2, dtype=torch.float32)
+        try:
+            opt = type(self.optimizer)([{**hyper, "params": [probe]}], **self._class_kwargs)
+            opt.step()
+        except (TypeError, ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"Invalid state_dict: its param_groups hyperparameters are refused by "
+                             f"{type(self.optimizer).__name__}: {e}") from e
+        return {k: isinstance(v, torch.Tensor) and v.shape == probe.shape for k, v in opt.state[probe].items()}
+
+    def _check_state_entry(self, where: str, entry, kinds: dict, index: int) -> None:
+        """``entry`` must hold exactly the inner optimizer's state keys, element-wise ones as floating-point
+        tensors of parameter ``index``'s shape, the others as numbers or one-element tensors."""
+        shape = self.layout.params[index].shape
+        if not isinstance(entry, dict):
+            raise TypeError(f"Invalid state_dict: {where} is a {type(entry).__name__}, expected a dict")
+        if set(entry) != set(kinds):
+            raise ValueError(f"Invalid state_dict: {where} has the keys {sorted(entry)}, "
+                             f"{type(self.optimizer).__name__} keeps {sorted(kinds)} (a state dict of another "
+                             "optimizer or of another model)")
+        for key, value in entry.items():
+            if kinds[key]:
+                if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+                        or tuple(value.shape) != shape):
+                    what = (f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                            else type(value).__name__)
+                    raise ValueError(f"Invalid state_dict: {where}[{key!r}] is {what}, expected a "
+                                     f"floating-point tensor of its parameter's shape {shape} (a state dict "
+                                     "of another model?)")
+            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                raise ValueError(f"Invalid state_dict: {where}[{key!r}] has shape {tuple(value.shape)}, "
+                                 "expected a number (a state dict of another optimizer?)")
 
     # --- sharded checkpoints: one file per rank --------------------------------------------------------------
     def sharded_state_dict(self) -> dict:
@@ -898,8 +1038,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             raise TypeError(f"Invalid shards: expected this rank's dict from sharded_state_dict() or a list of "
                             f"every rank's, got {type(shards).__name__}")
-        consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta["loss_scaler"],
-                            skipped_steps=meta["skipped_steps"])
+        consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta.get("loss_scaler"),
+                            skipped_steps=meta.get("skipped_steps", self.skipped_steps))
         if whole:
             self.load_state_dict(consolidated)
             return
