@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch
+from zero1_ranks import SUITE_GROUPS, zero1_raise_mid_run, zero1_suite
 
 from optbook.distributed import launch, shard_layout
-from optbook.distributed.workers import (SUITE_GROUPS, zero1_mean_grads, zero1_problem, zero1_raise_mid_run,
-                                        zero1_suite)
+from optbook.distributed.workers import zero1_mean_grads, zero1_problem
 from optbook.optim import AdamW
 from optbook.precision import DynamicLossScaler, MixedPrecisionOptimizer
 

@@ -11,9 +11,9 @@ and 4 (tests/zero1_ranks.py); 3 ranks resume from the 2-rank checkpoints, 4 from
 
 import pytest
 import torch
+from zero1_ranks import CONTRACT_GROUPS, ROW_FACTOR, contract_suite, scalar_reference
 
 from optbook.distributed import launch
-from zero1_ranks import CONTRACT_GROUPS, ROW_FACTOR, contract_suite, scalar_reference
 
 SIZES = [2, 3, 4]
 
