@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import contract
-from ..clipping import clip_coefficient, clip_grad_norm_, get_grad_norm, scale_grads_
+from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite
@@ -61,13 +61,17 @@ __all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamR
 _LOW_PRECISION, _all_gather, _reduce_scatter, _check_int = LOW_PRECISION, all_gather, reduce_scatter, check_int
 
 
-def _clip_with_extra(params, max_norm, group, extra_sumsq: float) -> torch.Tensor:
-    """``norm = sqrt(group sum of squares of params' grads + extra_sumsq)``; scale the grads by
-    ``min(1, max_norm / (norm + 1e-6))`` (as :func:`optbook.clipping.clip_grad_norm_`; no scaling when
-    ``max_norm`` is ``None`` or the norm is not finite). Returns the norm (0-dim float64)."""
-    own = get_grad_norm(params, group=group)
-    norm = torch.sqrt(own.square() + extra_sumsq)
-    scale_grads_([p.grad for p in params if p.grad is not None], clip_coefficient(norm.item(), max_norm))
+def _clip_by_group_norm(params, max_norm, group, extra_sumsq: float | None) -> float:
+    """``norm`` = :func:`optbook.clipping.get_grad_norm` of the ``params``' grads over ``group`` (with
+    ``extra_sumsq``: ``sqrt(norm ** 2 + extra_sumsq)``); scale the grads by :func:`optbook.clipping.
+    clip_coefficient` ``(norm, max_norm)`` (no scaling when ``max_norm`` is ``None`` or the norm is not
+    finite), as :func:`optbook.clipping.clip_grad_norm_`. Returns the norm as a float (one device
+    synchronisation, the one clip_grad_norm_ makes too)."""
+    norm = get_grad_norm(params, group=group)
+    if extra_sumsq is not None:
+        norm = torch.sqrt(norm.square() + extra_sumsq)
+    norm = norm.item()
+    scale_grads_([p.grad for p in params if p.grad is not None], clip_coefficient(norm, max_norm))
     return norm
 
 
@@ -563,11 +567,10 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             if target.grad is not None:
                 stepped.append(target)
         # 6. clip by the norm over the group: each rank's pieces are its own (counted once)
-        if extra_grad_sumsq is not None:  # a chain's one global norm: this group's squares plus the others'
-            self.last_grad_norm = _clip_with_extra(stepped, self.max_grad_norm, self.process_group,
-                                                   float(extra_grad_sumsq)).item()
-        elif self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(stepped, self.max_grad_norm, group=self.process_group).item()
+        #    (a chain's one global norm: extra_grad_sumsq adds the other members' squares)
+        if extra_grad_sumsq is not None or self.max_grad_norm is not None:
+            self.last_grad_norm = _clip_by_group_norm(stepped, self.max_grad_norm, self.process_group,
+                                                      None if extra_grad_sumsq is None else float(extra_grad_sumsq))
         # 7. the inner step on this rank's shard, with the hyperparameters of param_groups
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
