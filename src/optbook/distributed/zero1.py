@@ -93,9 +93,10 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             ``DistributedDataParallel``). Do not replace ``p.data`` afterwards (``model.to(...)``,
             ``load_state_dict(assign=True)``): :meth:`step` refuses a parameter that left its buffer.
         optimizer_class: an element-wise ``torch.optim.Optimizer`` class (default
-            :class:`optbook.optim.AdamW`; also ``SGD``, ``Adam``, ``Lion`` or ``torch.optim``'s). Muon,
-            Shampoo, SOAP and Adafactor are refused: their update of a matrix is not the concatenation of
-            the updates of its pieces.
+            :class:`optbook.optim.AdamW`; also ``SGD``, ``Adam``, ``Lion`` or ``torch.optim``'s): one for
+            which :func:`optbook.contract.elementwise` is true. Any other (Muon, Shampoo, SOAP, Adafactor,
+            ``torch.optim.Muon``, ...) is refused: its update of a matrix is not the concatenation of the
+            updates of its pieces.
         process_group: the data-parallel group (``None``: ``torch.distributed.group.WORLD``).
         loss_scaler: ``None`` or a loss scaler of :mod:`optbook.precision` (``scale``, ``update``,
             ``state_dict``, ``load_state_dict``); required with float16 parameters. Use
@@ -115,15 +116,23 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             :attr:`param_groups` (hyperparameters are copied over before each step, so a learning-rate
             scheduler built on this object works). Its ``state`` is this rank's shard of the state.
         layout: the :class:`Layout`; ``pieces``: this rank's :class:`Piece` s.
-        found_inf, skipped_steps, last_grad_norm: as :class:`optbook.precision.MixedPrecisionOptimizer`.
+        found_inf, skipped_steps, last_grad_norm: the step contract's report (:mod:`optbook.contract`);
+            ``skipped_steps`` is saved in both kinds of checkpoint.
+
+    The owner of its parameters (:mod:`optbook.contract`): it registers itself, so
+    :func:`optbook.contract.scale_weights_` (e.g. :func:`optbook.qk_clip_`) scales the float32 master shards
+    -- a collective, every rank calls it -- and an in-place write to a parameter made identically on every
+    rank (a weights-only ``model.load_state_dict``) is taken up into the masters at the next :meth:`step`.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass; a bad ``loss_scaler``;
             an argument of the wrong type, named in the message.
-        ValueError: a non-element-wise ``optimizer_class``; parameters on several devices; float16
-            parameters without a loss scaler; ``max_grad_norm <= 0``; what ``optimizer_class`` raises for
-            its hyperparameters. All before any parameter is touched.
+        ValueError: a non-element-wise ``optimizer_class`` (naming it); parameters on several devices;
+            float16 parameters without a loss scaler; ``max_grad_norm <= 0``; what ``optimizer_class`` raises
+            for its hyperparameters; ranks whose parameters differ in number, shape or dtype (one collective;
+            on every rank, naming the first differing parameter, each side's shape and dtype and its ranks).
+            All before any parameter is touched.
     """
 
     def __init__(self, params, optimizer_class=AdamW, process_group=None, *, loss_scaler=None,
