@@ -76,6 +76,12 @@ def test_a_model_with_a_0_dim_parameter_resumes_through_every_path(runs, size, h
 
 
 @pytest.mark.parametrize("size", SIZES)
+def test_a_model_with_a_0_dim_parameter_resumes_from_each_ranks_own_sharded_file(runs, size):
+    for report in runs[size]:
+        assert bitwise(report["scalar_own"]["params"], report["scalar_run"]["params"])
+
+
+@pytest.mark.parametrize("size", SIZES)
 def test_a_checkpoint_of_another_model_or_optimizer_raises_with_nothing_written(runs, size):
     finals = []
     for report in runs[size]:

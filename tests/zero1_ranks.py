@@ -441,8 +441,8 @@ def scalar_run(rank: int, world_size: int, group=None, *, steps: int = 6, checkp
                resume: dict | None = None, how: str | None = None) -> dict:
     """float64 ZeRO-1 ``torch.optim.AdamW`` (lr 0.01, weight decay 0.1) on :func:`contract_problem`, which
     holds a 0-dim parameter. From step 0 it saves at ``checkpoint_at`` (consolidated, every rank's sharded
-    dict); with ``resume`` it starts there, loading ``how`` = ``"consolidated"``, ``"sharded"`` or
-    ``"plain"`` (``resume["plain"]``: a single-process ``torch.optim.AdamW`` state dict)."""
+    dict); with ``resume`` it starts there, loading ``how`` = ``"consolidated"``, ``"sharded"`` (every
+    rank's file), ``"own"`` (this rank's file of a save at the same world size) or ``"plain"`` (``resume["plain"]``: a single-process ``torch.optim.AdamW`` state dict)."""
     from optbook.distributed import DistributedOptimizer
 
     params = contract_problem(torch.float64)
@@ -454,6 +454,8 @@ def scalar_run(rank: int, world_size: int, group=None, *, steps: int = 6, checkp
                 p.copy_(v)
         if how == "sharded":
             opt.load_sharded_state_dict(resume["shards"])
+        elif how == "own":
+            opt.load_sharded_state_dict(resume["shards"][rank])
         else:
             opt.load_state_dict(resume["plain" if how == "plain" else "optimizer"])
         start = checkpoint_at
@@ -581,6 +583,7 @@ def contract_suite(rank: int, world_size: int) -> dict:
             report = {"scale": scaled_weights_survive(r, size, g), "scaled_run": scaled_run(r, size, g),
                       "scalar_run": scalar_run(r, size, g), "other_model": other_model_loads(r, size, g),
                       "mismatched": mismatched_params(r, size, g), "misc": contract_misc(r, size, g)}
+            report["scalar_own"] = scalar_run(r, size, g, resume=report["scalar_run"]["checkpoint"], how="own")
             if saved is not None:
                 report["scaled_resumed"] = scaled_run(r, size, g, resume=saved["scaled"])
                 report["scaled_resharded"] = scaled_run(r, size, g, resume=saved["scaled"],
