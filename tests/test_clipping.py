@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from optbook.clipping import REPLICATED, clip_coefficient, clip_grad_norm_, get_grad_norm, grad_sumsq, scale_grads_
+from optbook.clipping import (
+    REPLICATED,
+    clip_coefficient,
+    clip_grad_norm_,
+    get_grad_norm,
+    grad_sumsq,
+    scale_grads_,
+)
 
 
 def with_grad(values, dtype=torch.float32):
