@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from optbook.clipping import REPLICATED, clip_grad_norm_, get_grad_norm
+from optbook.clipping import (
+    REPLICATED,
+    clip_coefficient,
+    clip_grad_norm_,
+    get_grad_norm,
+    grad_sumsq,
+    scale_grads_,
+)
 
 
 def with_grad(values, dtype=torch.float32):
@@ -175,3 +182,31 @@ def test_train_sequence_model_clips_and_skips_the_step_when_the_norm_is_not_fini
     assert all(torch.isfinite(w).all() for w in weights)
     # the steps taken were clipped: the SGD update lr * g has norm at most lr * max_norm over all parameters
     assert (weights[2] - weights[1]).norm() <= 0.1 * 1e-3 * (1 + 1e-5)
+
+
+def test_clip_coefficient_is_max_norm_over_norm_plus_eps_capped_at_one():
+    assert clip_coefficient(13.0, 1.0) == 1.0 / (13.0 + 1e-6)
+    assert clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(13.0, None) == 1.0
+    assert clip_coefficient(math.inf, 1.0) == 1.0 and clip_coefficient(math.nan, 1.0) == 1.0
+
+
+def test_scale_grads_multiplies_in_float64_with_one_rounding_and_never_scales_up():
+    g16 = torch.tensor([1e-4, 3.0], dtype=torch.float16)
+    expected = (g16.double() * 1e-3).half()
+    scale_grads_([g16], 1e-3)
+    assert torch.equal(g16, expected)
+    g = torch.tensor([2.0, -4.0])
+    scale_grads_([g], 2.0)
+    assert torch.equal(g, torch.tensor([2.0, -4.0]))
+    g64 = torch.tensor([2.0], dtype=torch.float64)
+    scale_grads_([g64], 0.25)
+    assert g64.item() == 0.5
+
+
+def test_grad_sumsq_is_the_float64_sum_of_squares_without_overflow():
+    s = grad_sumsq([torch.tensor([3.0, 4.0]), torch.tensor([[12.0]], dtype=torch.bfloat16)])
+    assert s.dtype == torch.float64 and s.shape == () and s.item() == 169.0
+    big = grad_sumsq([torch.full((100,), 1e20)])  # float32 squares would overflow
+    assert big.item() == pytest.approx(1e42, rel=1e-6)
+    assert grad_sumsq([]).item() == 0.0

@@ -5,10 +5,11 @@ import time
 
 import pytest
 import torch
+from zero1_ranks import die_on_rank, raise_on_rank
 
 from optbook.clipping import get_grad_norm
 from optbook.distributed import launch
-from optbook.distributed.workers import clip_problem, raise_on_rank, sharded_clip_worker
+from optbook.distributed.workers import clip_problem, sharded_clip_worker
 
 WORLD_SIZE = 2
 
@@ -117,3 +118,12 @@ def test_a_process_that_fails_to_start_reports_its_own_error(monkeypatch):
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
     with pytest.raises(OSError, match="cannot start the second process"):
         launch(raise_on_rank, 2, bad_rank=5, timeout=20.0)
+
+
+@pytest.mark.parametrize("how, reason", [("exit", "exit code 3"), ("kill", "signal SIGKILL")])
+def test_a_rank_that_dies_without_an_exception_is_named_with_its_exit_code_or_signal(how, reason):
+    with pytest.raises(RuntimeError) as info:
+        launch(die_on_rank, 2, bad_rank=1, how=how, timeout=60.0)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line == (f"optbook.distributed.launch: rank 1 of 2 died without a Python exception ({reason}) "
+                          "and without returning a result")

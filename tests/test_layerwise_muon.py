@@ -4,7 +4,7 @@ Newton–Schulz modes on 2, 3 and 4 gloo processes.
 Reference: single-process ``optbook.optim.Muon`` with float64 Newton–Schulz on the mean gradient. The per-rank
 gradients are dyadic and their mean is exact in any summation order
 (``optbook.distributed.muon_workers.muon_grads``), and every matrix is orthogonalised by the same functional
-core on the same numbers, so the distributed runs must equal the reference **bit for bit**; the shared clip
+core on the same numbers (the rank programs only the tests run are in ``tests/muon_rank_programs.py``), so the distributed runs must equal the reference **bit for bit**; the shared clip
 norm (summed in another order) is compared with a tolerance. One launch of 4 processes runs every check on
 process groups of 2, 3 and 4 of them (the smaller groups do not start at global rank 0); the 3-rank run
 resumes from the 2-rank checkpoint and the 4-rank run from the 3-rank one.
@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from muon_rank_programs import MUON_SUITE_GROUPS, layerwise_raise_mid_run, muon_suite
 
 from optbook import newton_schulz
 from optbook.distributed import (
@@ -27,15 +28,7 @@ from optbook.distributed import (
     round_robin_assign,
     zero1_comm_bytes,
 )
-from optbook.distributed.muon_workers import (
-    MUON_SUITE_GROUPS,
-    chain_reference,
-    layerwise_raise_mid_run,
-    muon_mean_grads,
-    muon_problem,
-    muon_reference,
-    muon_suite,
-)
+from optbook.distributed.muon_workers import chain_reference, muon_mean_grads, muon_problem, muon_reference
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +178,7 @@ def test_a_checkpoint_from_another_world_size_continues_bit_for_bit(runs, world_
 
 @pytest.mark.parametrize("kind", ["layerwise", "moonlight"])
 def test_the_consolidated_checkpoint_loads_into_single_process_muon(runs, kind):
-    from optbook.distributed.muon_workers import MUON_OPTIONS, _set_grads
+    from optbook.distributed.muon_workers import MUON_OPTIONS, set_grads
     from optbook.optim import Muon
 
     checkpoint = runs[2][-1][kind]["checkpoint"]
@@ -197,7 +190,7 @@ def test_the_consolidated_checkpoint_loads_into_single_process_muon(runs, kind):
     opt = Muon(groups, **MUON_OPTIONS)
     opt.load_state_dict(checkpoint)
     for t in (4, 5):
-        _set_grads(params, muon_mean_grads(params, t))
+        set_grads(params, muon_mean_grads(params, t))
         opt.step()
     assert _bitwise([p.detach() for p in params], muon_reference(6))
 
@@ -217,7 +210,8 @@ def test_bad_input_on_one_rank_makes_every_rank_raise_before_any_write(runs, ref
         else:
             assert sparse[0] == "ValueError" and f"rank {last} of the group" in sparse[1]
         assert ("Invalid lr" in lr[1]) if rank == 0 else (f"{name}.step: rank 0 of the group" in lr[1])
-        assert "inf or NaN" in nan[1] and "Invalid momentum" in momentum[1]
+        assert nan[0] == "NonFiniteGradientError" and "inf or NaN" in nan[1] and "parameter 2" in nan[1]
+        assert "Invalid momentum" in momentum[1]
         for case, err in bad["constructor_errors"].items():
             assert err is not None, case
         assert "same parameters" in bad["constructor_errors"]["differs"][1]

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from optbook.contract import NonFiniteGradientError
 from optbook.optim import SGD, Adam, AdamW, Lion
 from optbook.precision import ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer
 
@@ -67,9 +68,9 @@ def test_dynamic_scaler_floor_at_min_scale():
     assert scales_over(s, [True] * 3) == [1.5, 1.0, 1.0]  # floored, not 0.75
 
 
-def test_dynamic_scaler_never_grows_to_inf():
-    s = DynamicLossScaler(initial_scale=2.0**1023, growth_interval=1)
-    assert scales_over(s, [False, False]) == [2.0**1023, 2.0**1023]
+def test_dynamic_scaler_never_grows_past_float32():
+    s = DynamicLossScaler(initial_scale=2.0**126, growth_interval=1)
+    assert scales_over(s, [False, False, False]) == [2.0**127, 2.0**127, 2.0**127]
 
 
 def test_dynamic_scaler_state_dict_round_trip_mid_sequence():
@@ -139,7 +140,8 @@ def test_skipped_iterations_keep_the_parameter_and_the_schedule():
         if it in (0, 2):
             p.grad.fill_(INF)
         lrs.append(opt.param_groups[0]["lr"])
-        ok = opt.step()
+        assert opt.step() is None
+        ok = not opt.found_inf
         applied.append(ok)
         if ok:
             sched.step()
@@ -191,29 +193,35 @@ def test_a_skip_leaves_params_masters_state_and_schedule_bitwise_untouched(nonfi
     for k in range(3):
         opt.zero_grad()
         opt.scale_loss(loss_of(W, b, k)).backward()
-        assert opt.step()
+        opt.step()
+        assert not opt.found_inf
         sched.step()
     before = snapshot(opt, [W, b], sched)
     opt.zero_grad()
     opt.scale_loss(loss_of(W, b, 3)).backward()
     W.grad[1, 2] = nonfinite
-    assert opt.step() is False and opt.found_inf is True and opt.skipped_steps == 1
+    assert opt.step() is None and opt.found_inf is True and opt.skipped_steps == 1
     assert_same(snapshot(opt, [W, b], sched), before)
     assert all(s["step"] == 3 for s in opt.state.values())
 
 
-def test_nan_loss_is_skipped_without_a_scaler_in_bf16():
+def test_nan_loss_without_a_scaler_raises_before_any_write_in_bf16():
     W, b = bf16_pair()
     W0, b0 = W.detach().clone(), b.detach().clone()
     opt = MixedPrecisionOptimizer(SGD([W, b], lr=0.1, momentum=0.9))
+    masters0 = [m.detach().clone() for m in opt.master_params()]
     opt.scale_loss(loss_of(W, b, 0) * math.nan).backward()
-    assert opt.step() is False and opt.skipped_steps == 1
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(4, 3\)"):
+        opt.step()
+    assert opt.skipped_steps == 0 and opt.found_inf is False
     assert torch.equal(W, W0) and torch.equal(b, b0) and not any(opt.state.values())
+    assert all(torch.equal(m, m0) for m, m0 in zip(opt.master_params(), masters0))
+    assert all(m.grad is None for m in opt.master_params())
     # check_for_nonfinite=False (Megatron's bf16 path without a scaler): the NaN goes through
     W2, b2 = bf16_pair()
     opt = MixedPrecisionOptimizer(SGD([W2, b2], lr=0.1), check_for_nonfinite=False)
     opt.scale_loss(loss_of(W2, b2, 0) * math.nan).backward()
-    assert opt.step() is True and torch.isnan(W2).all()
+    assert opt.step() is None and not opt.found_inf and torch.isnan(W2).all()
 
 
 # --- precision: underflow and stalls ----------------------------------------------------------------------
@@ -226,7 +234,7 @@ def test_fp16_gradient_underflow_and_loss_scaling():
         opt = MixedPrecisionOptimizer(SGD([p], lr=0.0), ConstantLossScaler(scale))
         loss = (p * w).float().sum() * 1e-4  # d loss / d p = 1e-4 * w = 1e-8: below fp16's smallest subnormal
         opt.scale_loss(loss).backward()
-        assert opt.step()
+        assert opt.step() is None and not opt.found_inf
         return p.grad, opt.master_params()[0].grad
 
     model_grad, main = main_grad(1.0)
@@ -247,7 +255,7 @@ def test_bf16_update_below_half_an_ulp_stalls_without_masters():
         for p in (bare, model):
             p.grad = torch.full((1,), -1.0, dtype=torch.bfloat16)
         bare_opt.step()
-        assert opt.step()
+        assert opt.step() is None and not opt.found_inf
     assert bare.item() == 1.0
     master = opt.master_params()[0]
     assert master.item() == pytest.approx(1.01, abs=1e-6)
@@ -288,7 +296,7 @@ def test_masters_replace_low_precision_params_in_the_inner_groups():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for p in (h, b, f):
         p.grad = torch.ones_like(p) * 8
-    assert opt.step()
+    assert opt.step() is None and not opt.found_inf
     sched.step()
     assert inner.param_groups[0]["lr"] == 5e-4
     assert set(inner.state) == {g0[0], g0[1], g1[0]} and f.grad.eq(1).all()  # fp32 grad unscaled in place
@@ -309,7 +317,7 @@ def test_add_param_group_gives_the_new_low_precision_params_masters():
     master = opt.param_groups[1]["params"][0]
     assert opt.master_params() == [master] and master.dtype == torch.float32
     a.grad = torch.ones(2, dtype=torch.bfloat16)
-    assert opt.step() and torch.equal(a, torch.full((2,), 1 - 2**-4, dtype=torch.bfloat16))
+    assert opt.step() is None and not opt.found_inf and torch.equal(a, torch.full((2,), 1 - 2**-4, dtype=torch.bfloat16))
 
 
 def test_step_hooks_and_closure_run():
@@ -324,7 +332,8 @@ def test_step_hooks_and_closure_run():
         opt.scale_loss(loss).backward()
         return loss
 
-    assert opt.step(closure) is True and seen == [False]
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() == 2.0 and seen == [False]
     assert torch.equal(p, torch.ones(2, dtype=torch.bfloat16))
 
 
@@ -345,14 +354,14 @@ def test_global_clip_runs_on_unscaled_main_grads(monkeypatch):
     opt = MixedPrecisionOptimizer(SGD([a, c], lr=1.0), ConstantLossScaler(4.0), max_grad_norm=1.0)
     a.grad = torch.tensor([3.0, 4.0], dtype=torch.bfloat16) * 4
     c.grad = torch.tensor([12.0]) * 4
-    assert opt.step()
+    assert opt.step() is None and not opt.found_inf
     assert calls == [([torch.float32, torch.float32], 1.0)]
-    assert opt.last_grad_norm.item() == pytest.approx(13.0)
+    assert opt.last_grad_norm == pytest.approx(13.0)
     assert opt.master_params()[0].tolist() == pytest.approx([-3 / 13, -4 / 13], rel=1e-6)
     assert c.item() == pytest.approx(-12 / 13, rel=1e-6)
     # a skipped step does not clip
     a.grad = torch.tensor([INF, 0.0], dtype=torch.bfloat16)
-    assert not opt.step() and len(calls) == 1
+    assert opt.step() is None and opt.found_inf and len(calls) == 1
 
 
 def test_global_clip_with_optbook_clipping():
@@ -360,8 +369,8 @@ def test_global_clip_with_optbook_clipping():
     a = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     opt = MixedPrecisionOptimizer(SGD([a], lr=1.0), max_grad_norm=1.0)
     a.grad = torch.tensor([3.0, 4.0], dtype=torch.bfloat16)
-    assert opt.step() and clipping is not None
-    assert opt.last_grad_norm.item() == pytest.approx(5.0)
+    assert opt.step() is None and not opt.found_inf and clipping is not None
+    assert opt.last_grad_norm == pytest.approx(5.0)
     assert opt.master_params()[0].tolist() == pytest.approx([-0.6, -0.8], rel=1e-6)
 
 
@@ -444,7 +453,8 @@ def _run(opt, sched, W, b, iterations):
         opt.scale_loss(loss_of(W, b, k)).backward()
         if k in (2, 3, 6):  # scripted overflows
             b.grad[0] = INF
-        ok = opt.step()
+        assert opt.step() is None
+        ok = not opt.found_inf
         applied.append(ok)
         if ok:
             sched.step()
@@ -501,7 +511,7 @@ def test_state_dtype_stores_bf16_moments_and_computes_in_fp32():
     for k in range(3):
         opt.zero_grad()
         opt.scale_loss(loss_of(W, b, k)).backward()
-        assert opt.step()
+        assert opt.step() is None and not opt.found_inf
         for p_ref, m in zip(ref.param_groups[0]["params"], opt.master_params()):
             p_ref.grad = m.grad.clone()
         ref.step()

@@ -38,9 +38,8 @@ def iterate(kind, params, opt, sched, start, stop):
             p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
         if it in OVERFLOW_AT:
             params[-1].grad[0] = float("inf")
-        applied = opt.step()
-        applied = (not opt.found_inf) if kind == "chain" else applied
-        if applied:
+        opt.step()
+        if not opt.found_inf:
             sched.step()
 
 

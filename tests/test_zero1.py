@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch
+from zero1_ranks import SUITE_GROUPS, zero1_raise_mid_run, zero1_suite
 
 from optbook.distributed import launch, shard_layout
-from optbook.distributed.workers import (SUITE_GROUPS, zero1_mean_grads, zero1_problem, zero1_raise_mid_run,
-                                        zero1_suite)
+from optbook.distributed.workers import zero1_mean_grads, zero1_problem
 from optbook.optim import AdamW
 from optbook.precision import DynamicLossScaler, MixedPrecisionOptimizer
 
@@ -288,12 +288,15 @@ def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():
 def test_step_hooks_run_once_per_step_and_a_scheduler_sets_the_lr_the_shards_use(runs):
     for report in runs[2]:
         r = report["scheduler"]
-        assert r["calls"] == ["pre", "post", "pre", "post", "pre", "post"]
+        assert r["calls"] == ["pre", "post", "pre", "post", "pre"]  # the third step raised: no post hook
         assert r["lrs"] == [1.0, 0.5]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_an_inf_on_one_rank_without_a_loss_scaler_makes_every_rank_skip(runs, world_size):
+def test_an_inf_on_one_rank_without_a_loss_scaler_raises_on_every_rank_naming_the_parameter(runs, world_size):
     for report in runs[world_size]:  # 2 and 4: mean and check fused in one pass; 3: divide, then check
         r = report["scheduler"]
-        assert r["inf_applied"] is False and r["inf_untouched"] and r["skipped_steps"] == 1
+        kind, message = r["inf_error"]
+        assert kind == "NonFiniteGradientError"
+        assert "parameter 0 (param_groups[0]['params'][0], shape (3,))" in message and "no loss_scaler" in message
+        assert r["inf_untouched"] and r["skipped_steps"] == 0

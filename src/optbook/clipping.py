@@ -41,13 +41,77 @@ import torch
 
 from .optim._validation import check_bool, check_number
 
-__all__ = ["REPLICATED", "clip_grad_norm_", "get_grad_norm"]
+__all__ = ["REPLICATED", "clip_coefficient", "clip_grad_norm_", "get_grad_norm", "grad_sumsq", "scale_grads_"]
 
 #: Marks a parameter held identically by every rank of the group: ``p.optbook_replicated = True``.
 REPLICATED = "optbook_replicated"
 
 #: Added to the norm in the coefficient ``max_norm / (norm + EPS)``, as ``torch.nn.utils.clip_grad_norm_``.
 EPS = 1e-6
+
+
+def clip_coefficient(norm: float, max_norm) -> float:
+    """The factor global-norm clipping multiplies every gradient by: ``min(1, max_norm / (norm + 1e-6))``.
+
+    Args:
+        norm: the global gradient norm before clipping (a Python number, units of the gradient).
+        max_norm: the largest allowed norm (``> 0``), or ``None`` for no clipping.
+
+    Returns:
+        A Python float in ``(0, 1]``: ``1.0`` when ``max_norm`` is ``None`` or ``norm`` is ``inf``/``NaN``
+        (scaling would write ``inf * 0 = NaN`` into the gradients). Not validated: callers check
+        ``max_norm`` where the user gives it.
+
+    Source: ``torch.nn.utils.clip_grad_norm_`` (torch 2.13, ``clip_coef = max_norm / (total_norm + 1e-6)``,
+    clamped to 1).
+    """
+    if max_norm is None or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + EPS))
+
+
+@torch.no_grad()
+def scale_grads_(grads, coef: float) -> None:
+    """Multiply each tensor of ``grads`` in place by ``coef``, in float64 with one rounding back.
+
+    Args:
+        grads: an iterable of floating-point tensors (any shape; float16, bfloat16, float32 or float64).
+        coef: a Python float, usually :func:`clip_coefficient`'s. ``coef >= 1`` leaves every tensor bitwise
+            untouched (clipping never scales up).
+
+    A float16 gradient is therefore not flushed to zero by a coefficient below float16's smallest number
+    before it is rounded; the float64 copy of one tensor at a time is the memory cost.
+    """
+    if coef >= 1.0:
+        return
+    for g in grads:
+        if g.dtype == torch.float64:
+            g.mul_(coef)
+        else:
+            g.copy_(g.to(torch.float64).mul_(coef))
+
+
+@torch.no_grad()
+def grad_sumsq(grads, device=None) -> torch.Tensor:
+    """The float64 sum of squares of every element of ``grads``: ``sum ||g||^2``, one ``vector_norm`` each.
+
+    Args:
+        grads: an iterable of floating-point tensors (any shape and dtype; accumulated in float64, so no
+            float16/bfloat16/float32 tensor can overflow).
+        device: where the result lives (default: the first tensor's device; the CPU when there is none).
+
+    Returns:
+        A 0-dim float64 tensor on ``device`` (units: gradient squared); ``inf``/``NaN`` when a tensor holds
+        one (or when the float64 sum overflows, above about ``1.3e154`` squared norm). Local only: for a
+        norm over ranks all-reduce it (SUM), as :func:`get_grad_norm` does.
+    """
+    grads = list(grads)
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
+    return total
 
 
 def _unique_params(params) -> list[torch.Tensor]:
@@ -148,9 +212,7 @@ def get_grad_norm(params, group=None) -> torch.Tensor:
     if group is not None and _group_rank(group) != 0:
         pairs = [(p, g) for p, g in pairs if not getattr(p, REPLICATED, False)]
     grads = [g for _, g in pairs]
-    sumsq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        sumsq += torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
+    sumsq = grad_sumsq(grads, device)
     if group is not None:
         _all_reduce(sumsq, group, dist.ReduceOp.SUM)
     if torch.isfinite(sumsq):  # the common case: one pass, one collective
@@ -228,11 +290,5 @@ def clip_grad_norm_(params, max_norm, group=None, error_if_nonfinite=False) -> t
                                "no gradient was changed. Skip this step, or pass error_if_nonfinite=False to "
                                "get the norm back instead")
         return norm
-    coef = max_norm / (norm.item() + EPS)  # a Python float: float64
-    if coef < 1.0:
-        for _, g in _grads(params):
-            if g.dtype == torch.float64:
-                g.mul_(coef)
-            else:
-                g.copy_(g.to(torch.float64).mul_(coef))
+    scale_grads_([g for _, g in _grads(params)], clip_coefficient(norm.item(), max_norm))
     return norm

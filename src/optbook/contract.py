@@ -64,6 +64,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "COLUMNS",
@@ -89,8 +90,9 @@ class NonFiniteGradientError(ValueError, FloatingPointError):
 
 # --- who owns a parameter -----------------------------------------------------------------------------------
 # parameter -> weak reference to the wrapper holding the copy ``step()`` starts from. Keyed weakly by the
-# tensor object (identity), so a dropped model or wrapper leaves no entry behind.
-_OWNERS: "weakref.WeakKeyDictionary[torch.Tensor, weakref.ref]" = weakref.WeakKeyDictionary()
+# tensor object's identity (``weakref.WeakKeyDictionary`` compares keys with ``==``, element-wise for a
+# tensor), so a dropped model or wrapper leaves no entry behind.
+_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def register_owner(params, owner) -> None:

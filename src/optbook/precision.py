@@ -35,30 +35,37 @@ Why the two halves exist (chapter 11):
 from __future__ import annotations
 
 import copy
-import math
 from collections import OrderedDict
 
 import torch
 
+from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
 from .optim._validation import check_bool, check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 
-__all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer"]
+__all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
+           "check_loss_scaler", "check_optimizer_state_dict", "loss_scale_of", "scaled_loss", "take_up_",
+           "unscale_grads_"]
 
 #: Model parameter dtypes that get a float32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
+#: The largest finite float32, ``(2 - 2**-23) * 2**127``: the largest loss scale. The scaled loss and the
+#: scale itself are float32 (``torch.amp.GradScaler`` keeps its scale in a float32 tensor; Megatron-LM too),
+#: so a larger ``S`` is ``inf`` there and every step would overflow.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def _check_scale(name: str, value) -> float:
-    """A loss scale: a finite real number > 0, returned as a Python float."""
-    return check_number(name, value, low=0.0, low_open=True)
+    """A loss scale: a real number in ``(0, FLOAT32_MAX]``, returned as a Python float."""
+    return check_number(name, value, low=0.0, low_open=True, high=FLOAT32_MAX)
 
 
 class ConstantLossScaler:
     """A loss scale that never changes (Megatron-LM's ``ConstantGradScaler``).
 
     Args:
-        scale: the loss scale ``S``, a finite number ``> 0`` (e.g. ``2.0**16`` for float16; ``1.0``
+        scale: the loss scale ``S``, a number in ``(0, FLOAT32_MAX]`` (e.g. ``2.0**16`` for float16; ``1.0``
             only detects overflows). Kept as a Python ``float``.
 
     A step whose gradients overflow is still skipped by :class:`MixedPrecisionOptimizer`; the scale
@@ -97,7 +104,7 @@ class DynamicLossScaler:
     ``DynamicGradScaler`` in ``megatron/core/optimizer/grad_scaler.py``, same counters, same order).
 
     Args:
-        initial_scale: the starting scale ``S``, finite and ``> 0``.
+        initial_scale: the starting scale ``S``, ``> 0`` and at most :data:`FLOAT32_MAX`.
         growth_factor: ``S *= growth_factor`` after ``growth_interval`` clean steps in a row; ``> 1``.
         backoff_factor: ``S *= backoff_factor`` on an overflow once hysteresis is used up; in ``(0, 1)``.
         growth_interval: consecutive clean steps before growing, an int ``>= 1``.
@@ -135,8 +142,16 @@ class DynamicLossScaler:
     At ``min_scale`` the scale stays at ``min_scale``: further overflows do not lower it, and each of
     them is still detected and its step skipped by :class:`MixedPrecisionOptimizer`. A run that
     overflows at ``min_scale`` on every step makes no progress (watch ``skipped_steps``); nothing is
-    raised. Growth has no ceiling, except that a growth which would make ``S`` infinite is not applied
-    (``S`` stays the largest finite value reached; Megatron's float32 scale would become ``inf``).
+    raised.
+
+    Growth stops at float32's range: a growth whose result exceeds :data:`FLOAT32_MAX` (``inf`` in
+    float32) is not applied -- ``S`` stays where it is and the trackers are reset as after a growth. This
+    is ``torch.amp.GradScaler``'s rule (PyTorch v2.13.0, ``_amp_update_scale_``:
+    ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp`` and ``native/cuda/AmpKernels.cu``,
+    "Do not grow the scale past fp32 bounds to inf": ``new_scale = scale * growth_factor`` in float32,
+    kept only ``if isfinite(new_scale)``). The scaled loss is float32, so a larger ``S`` would make every
+    step overflow; Megatron-LM's float32 scale would become ``inf``. With the default factor 2 the
+    largest scale reached is ``2**127``.
 
     The arithmetic is in Python floats (float64); Megatron computes in float32 tensors. The two agree
     bitwise when the factors and scales are powers of two (the defaults).
@@ -208,7 +223,7 @@ class DynamicLossScaler:
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 grown = self._scale * self.growth_factor
-                if math.isfinite(grown):
+                if grown <= FLOAT32_MAX:  # finite in float32 (torch.amp.GradScaler's rule)
                     self._scale = grown
 
     def state_dict(self) -> dict:
@@ -245,8 +260,21 @@ class DynamicLossScaler:
                 f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker})")
 
 
-def _scaler_scale(loss_scaler) -> float:
-    """The scaler's current scale, checked finite and ``> 0`` (raises ValueError naming ``loss_scaler``)."""
+# --- the loss-scaling pieces every mixed-precision optimizer shares ------------------------------------------
+# MixedPrecisionOptimizer uses them, and so can a sharded optimizer (ZeRO-1) that unscales only its shard.
+def loss_scale_of(loss_scaler) -> float:
+    """The current scale ``S`` of ``loss_scaler`` as a Python float (``1.0`` for ``None``).
+
+    Args:
+        loss_scaler: ``None`` or an object whose ``scale`` is a finite real number ``> 0`` (a Python float;
+            a one-element tensor is read with ``float``, one device synchronisation).
+
+    Raises:
+        TypeError: the scale is not a real number (the message names ``loss_scaler.scale``).
+        ValueError: the scale is not finite and ``> 0``.
+    """
+    if loss_scaler is None:
+        return 1.0
     scale = loss_scaler.scale
     if isinstance(scale, torch.Tensor):
         scale = float(scale) if scale.numel() == 1 else scale
@@ -256,7 +284,7 @@ def _scaler_scale(loss_scaler) -> float:
         raise TypeError(f"{e}; a loss scaler's scale must be a Python float") from None
 
 
-def _check_loss_scaler(loss_scaler) -> None:
+def check_loss_scaler(loss_scaler) -> None:
     """``None``, or an object with ``scale`` (finite, ``> 0``), ``update``, ``state_dict``, ``load_state_dict``.
 
     Raises:
@@ -269,32 +297,199 @@ def _check_loss_scaler(loss_scaler) -> None:
     if lacking:
         raise TypeError(f"Invalid loss_scaler: expected None or a loss scaler (scale, update, state_dict, "
                         f"load_state_dict), got a {type(loss_scaler).__name__} without {', '.join(lacking)}")
-    _scaler_scale(loss_scaler)
+    loss_scale_of(loss_scaler)
+
+
+def check_float16_scaled(params, loss_scaler, where: str = "params") -> None:
+    """Refuse float16 parameters that require grad when there is no loss scaler.
+
+    Args:
+        params: an iterable of tensors, or of ``(name, tensor)`` pairs (the name is used in the message;
+            without one the position in ``where`` is).
+        loss_scaler: ``None`` or a loss scaler.
+        where: how the message names the collection.
+
+    Raises:
+        ValueError: a float16 parameter without a loss scaler (float16 gradients below ``2**-24`` flush to
+            zero; Micikevicius et al. 2018, Sec. 3.2).
+    """
+    if loss_scaler is not None:
+        return
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (f"{where}[{i}]", item)
+        if p.dtype == torch.float16 and p.requires_grad:
+            raise ValueError(
+                f"Invalid loss_scaler: {name} (shape {tuple(p.shape)}) is float16, and float16 gradients need "
+                "loss scaling (small ones flush to zero); pass loss_scaler=DynamicLossScaler() or "
+                "ConstantLossScaler(...)")
+
+
+def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss * scale`` for ``backward()``; a float16/bfloat16 ``loss`` is cast to float32 first.
+
+    Args:
+        loss: a floating-point tensor (usually 0-dim).
+        scale: the loss scale ``S`` (a Python float).
+
+    Returns:
+        A tensor of ``loss``'s shape, float32 for a float16/bfloat16 loss, else ``loss``'s dtype.
+
+    Raises:
+        TypeError: ``loss`` is not a floating-point tensor.
+    """
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
+    if loss.dtype in _LOW_PRECISION:
+        loss = loss.float()
+    return loss * scale
+
+
+def unscale_grads_(grads: list[torch.Tensor], scale: float) -> bool:
+    """Multiply every gradient by ``1 / scale`` in place and report whether any holds ``inf``/``NaN``.
+
+    One fused pass per (device, dtype) list (``torch._amp_foreach_non_finite_check_and_unscale_``, as
+    ``torch.amp.GradScaler.unscale_`` and Megatron-LM core_r0.13.0 ``MixedPrecisionOptimizer.
+    _unscale_main_grads_and_check_for_nan``), one found-inf flag per device, so one device synchronisation
+    per device.
+
+    Args:
+        grads: float32 (or float16/bfloat16/float64) tensors, any shapes and devices; empty ones are fine.
+        scale: ``S``, a finite Python float ``> 0``; ``1 / S`` is rounded to float32 once (exact for a
+            power of two). A sharded optimizer that also averages over ``d`` ranks passes ``d * S``.
+
+    Returns:
+        ``True`` when some element is ``inf`` or ``NaN`` (the gradients are then multiplied all the same:
+        the step is to be skipped); ``False`` for an empty list.
+    """
+    by_key: dict = {}
+    for g in grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    found: dict = {}
+    inv: dict = {}
+    for (device, _), gs in by_key.items():
+        if device not in found:
+            found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
+    return any(bool(f.item()) for f in found.values())
+
+
+# Old private names, kept while optbook.distributed.zero1 still imports them.
+_scaler_scale = loss_scale_of
+_check_loss_scaler = check_loss_scaler
+
+
+# --- pieces every owner of a copy of the weights shares (MixedPrecisionOptimizer, OffloadOptimizer) ----------
+@torch.no_grad()
+def take_up_(copy: torch.Tensor, param: torch.Tensor) -> None:
+    """Copy an outside write of the model parameter ``param`` into the optimizer's ``copy`` of it.
+
+    ``copy`` is the tensor the optimizer steps (a float32 master, a host copy), ``param`` the model's
+    parameter (same shape, any device). With the same dtype the copy becomes ``param`` exactly. For a
+    float16/bfloat16 ``param`` and a wider ``copy``, element by element: an element whose value still equals
+    the copy rounded to ``param``'s dtype keeps the copy (its low bits: the write did not change it); every
+    other element takes ``param``'s value. So reloading the weights the model already has (a weights-only
+    checkpoint loaded after the optimizer's) loses nothing, and any real edit is kept. No synchronisation.
+    """
+    src = param.detach().to(copy.device)
+    if src.dtype == copy.dtype:
+        copy.copy_(src)
+    else:
+        copy.copy_(torch.where(src == copy.to(src.dtype), copy, src.to(copy.dtype)))
+
+
+def check_optimizer_state_dict(state_dict, params: list[list[torch.Tensor]], elementwise: list[bool],
+                               live_state=None, where: str = "state_dict") -> None:
+    """Check a ``torch.optim``-layout state dict against the parameters it is to be loaded into; write nothing.
+
+    Args:
+        state_dict: ``{"state": {index: {name: value}}, "param_groups": [{"params": [index, ...], ...}]}``.
+        params: per group, the tensors the optimizer steps (masters, host copies), in group order.
+        elementwise: per parameter (flat group order), whether its optimizer is element-wise
+            (:func:`optbook.contract.elementwise`): then every floating state tensor but ``step`` must have the
+            parameter's shape (Adam's moments, momentum buffers).
+        live_state: optional, per parameter (flat order), the optimizer's current state dict of it: a saved
+            tensor under a key it already has must have that tensor's shape (any optimizer).
+        where: how messages name the dict.
+
+    Raises:
+        ValueError: not a dict with ``state`` and ``param_groups``; another number of groups or of
+            parameters in a group; a state index that names no parameter; a state tensor (other than
+            ``step``) that is not floating point or has another shape than required.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError(f"Invalid {where}: expected a dict with 'state' and 'param_groups'")
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(params):
+        n = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
+        raise ValueError(f"Invalid {where}: it has {n} param_groups, this optimizer has {len(params)}")
+    index = {}
+    for gi, (saved, mine) in enumerate(zip(groups, params)):
+        ids = saved.get("params") if isinstance(saved, dict) else None
+        if ids is None or len(ids) != len(mine):
+            raise ValueError(f"Invalid {where}: param_groups[{gi}] has "
+                             f"{'no' if ids is None else len(ids)} parameters, this optimizer's has {len(mine)}")
+        for pi, i in enumerate(ids):
+            index[i] = (gi, pi, len(index))
+    if not isinstance(state, dict):
+        raise ValueError(f"Invalid {where}['state']: expected a dict, got {type(state).__name__}")
+    for i, entry in state.items():
+        if i not in index:
+            raise ValueError(f"Invalid {where}['state']: key {i!r} names no parameter of param_groups")
+        gi, pi, flat = index[i]
+        p = params[gi][pi]
+        live = live_state[flat] if live_state is not None else {}
+        for key, value in entry.items():
+            if key == "step" or not isinstance(value, torch.Tensor):
+                continue
+            name = f"{where}['state'][{i!r}][{key!r}] (param_groups[{gi}]['params'][{pi}])"
+            if not value.is_floating_point():
+                raise ValueError(f"Invalid {name}: dtype {value.dtype}, expected a floating-point tensor")
+            expected = p.shape if elementwise[flat] else getattr(live.get(key), "shape", None)
+            if expected is not None and value.shape != expected:
+                raise ValueError(f"Invalid {name}: shape {tuple(value.shape)}, expected {tuple(expected)}")
+
+
+def _members(optimizer) -> list:
+    """The optimizer stepping each parameter of ``optimizer``, in flat group order (a chain's members)."""
+    from .optim import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer):
+        return [m for opt in optimizer.optimizers for m in _members(opt)]
+    return [optimizer for g in optimizer.param_groups for _ in g["params"]]
+
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Step a float16/bfloat16 model with an optimizer that updates float32 master weights.
 
-    Megatron-LM's ``Float16OptimizerWithFloat16Params`` (``megatron/core/optimizer/optimizer.py``),
-    after Micikevicius et al. (2018), without the distributed parts.
+    Megatron-LM's ``Float16OptimizerWithFloat16Params`` and ``MixedPrecisionOptimizer.step``
+    (core_r0.13.0, ``megatron/core/optimizer/optimizer.py``), after Micikevicius et al. (2018), without
+    the distributed parts; the skip-and-report rule of ``torch.amp.GradScaler`` (PyTorch v2.13.0).
 
     Args:
-        optimizer: an already-built ``torch.optim.Optimizer`` (optbook's or PyTorch's) constructed on
-            the model's parameters, with no state yet. For every float16/bfloat16 parameter of its
-            groups that requires grad, a float32 master copy (same shape, a new leaf tensor) replaces
-            it in the inner optimizer's ``param_groups`` (the model keeps its own tensor); float32 and
-            float64 parameters are used as they are. The inner optimizer then owns and updates only
-            float32 tensors, and its state (Adam's moments, ...) is float32.
+        optimizer: an already-built ``torch.optim.Optimizer`` (optbook's or PyTorch's, or a
+            :class:`~optbook.optim.ChainedOptimizer`) constructed on the model's parameters, with no state
+            yet. For every float16/bfloat16 parameter of its groups that requires grad, a float32 master
+            copy (same shape, a new leaf tensor) replaces it in the inner optimizer's ``param_groups`` (the
+            model keeps its own tensor); float32 and float64 parameters are used as they are. The inner
+            optimizer then owns and updates only float32 tensors, and its state (Adam's moments, ...) is
+            float32.
         loss_scaler: ``None`` (scale 1; allowed without float16 parameters), a
             :class:`ConstantLossScaler`, a :class:`DynamicLossScaler`, or any object with ``scale`` (a
-            finite float ``> 0``), ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
+            float in ``(0, FLOAT32_MAX]``), ``update(found_inf)``, ``state_dict()`` and ``load_state_dict()``.
         max_grad_norm: if set (``> 0``), clip the unscaled float32 gradients of all parameters by
             their global L2 norm before the inner step (``optbook.clipping.clip_grad_norm_``, imported
             on first use); the norm is kept in :attr:`last_grad_norm`.
-        check_for_nonfinite: without a loss scaler, still look for ``inf``/``NaN`` gradients and skip
-            such steps (default ``True``; Megatron skips the check for bfloat16 without a scaler, which
-            is ``False`` here). With a loss scaler the check is part of unscaling and always runs, so
-            ``False`` is refused there.
+        check_for_nonfinite: without a loss scaler, look for ``inf``/``NaN`` gradients before anything is
+            written and raise :class:`~optbook.contract.NonFiniteGradientError` naming the parameter
+            (default ``True``). ``False`` skips the check (Megatron-LM does for bfloat16 without a scaler;
+            a non-finite gradient then reaches the weights, as in ``torch.optim``). With a loss scaler the
+            check is part of unscaling and always runs, so ``False`` is refused there.
         state_dtype: ``None`` (the inner optimizer's state keeps its own dtype: float32 for masters), or
             ``torch.bfloat16``/``torch.float16``/``torch.float32``: between steps every floating-point
             state tensor except ``step`` (Adam's moments, momentum buffers, ...) is *stored* in this
@@ -307,26 +502,37 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         loss_scaler: the scaler (or ``None``).
         found_inf: whether the last :meth:`step` found a non-finite gradient (``False`` before any).
         skipped_steps: how many steps were skipped for non-finite gradients (an int; saved).
-        last_grad_norm: the float64 0-dim total norm of the last applied, clipped step, else ``None``.
+        last_grad_norm: the global norm (a Python float) of the unscaled gradients before clipping, of the
+            last applied step with ``max_grad_norm``; else ``None``.
         param_groups, state, defaults: the inner optimizer's (the same objects). The groups hold the
             float32 masters, so a ``torch.optim.lr_scheduler`` built on this wrapper sets the lr the
             inner optimizer uses, and ``state`` is keyed by the masters.
 
-    Invariant: after every applied step (and after :meth:`load_state_dict`) each low-precision model
-    parameter equals its master rounded to the model's dtype. Writing to a model parameter directly
-    (``model.load_state_dict``, an in-place clip of the weights) does not reach the master: call
-    :meth:`reload_model_params` afterwards, or the next step overwrites the edit.
+    Who owns the weights (:mod:`optbook.contract`): the wrapper registers itself as the owner of every
+    float16/bfloat16 parameter it keeps a master for. After every applied step (and after
+    :meth:`load_state_dict`) each such parameter equals its master rounded to the model's dtype.
+
+    * A write the wrapper did not make (a weights-only ``model.load_state_dict``, an in-place edit) bumps
+      the parameter's version counter; at the start of the next :meth:`step` it is taken up into the
+      master (:func:`take_up_`: elements whose rounded value did not change keep the master's low bits), so
+      it is never undone. Version counters are host integers: no device synchronisation.
+    * :func:`optbook.contract.scale_weights_` (which :func:`optbook.qk_clip_` uses) scales the float32
+      master and writes the parameter from it (:meth:`_scale_weights_`), so a clip keeps the master's bits.
 
     Gradients: :meth:`step` reads the model's ``.grad`` (of the *scaled* loss, the model's dtype) and
     leaves it as it is for float16/bfloat16 parameters; a float32 parameter's ``.grad`` is its own
     main gradient and is unscaled in place. :meth:`zero_grad` clears model and master gradients.
+
+    It is a full ``torch.optim.Optimizer``: step hooks, state-dict and load-state-dict hooks
+    (``register_state_dict_pre_hook`` and the others), ``copy.deepcopy`` and ``torch.save``/``torch.load``
+    of the object (``weights_only=False``; the copy owns its own copies of the parameters).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``loss_scaler`` lacks ``scale``,
             ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool;
             ``state_dtype`` is not ``None`` or a float32/bfloat16/float16 dtype.
         ValueError: the inner optimizer already has state; a float16 parameter without a loss scaler
-            (float16 needs scaling); a scale that is not finite and ``> 0``; ``max_grad_norm <= 0``;
+            (float16 needs scaling); a scale outside ``(0, FLOAT32_MAX]``; ``max_grad_norm <= 0``;
             ``check_for_nonfinite=False`` with a loss scaler. Each is raised before anything is changed.
     """
 
@@ -340,7 +546,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
                              "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
-        _check_loss_scaler(loss_scaler)
+        check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         check_bool("check_for_nonfinite", check_for_nonfinite)
@@ -350,7 +556,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if loss_scaler is not None and not check_for_nonfinite:
             raise ValueError("Invalid check_for_nonfinite: False is only allowed without a loss scaler (unscaling "
                              "always checks, and the scaler's update needs the result)")
-        self._check_params(optimizer.param_groups, loss_scaler, "optimizer")
+        check_float16_scaled([(f"optimizer param_groups[{gi}]['params'][{pi}]", p)
+                              for gi, g in enumerate(optimizer.param_groups)
+                              for pi, p in enumerate(g["params"])], loss_scaler)
 
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -359,26 +567,26 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.found_inf = False
         self.skipped_steps = 0
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
         #: (model parameter, float32 master) for every float16/bfloat16 parameter, in group order.
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: Every model parameter the wrapper steps (low precision or not), for zero_grad.
+        #: Every model parameter the wrapper steps (low precision or not), in group order.
         self._model_params: list[torch.Tensor] = []
+        #: Indices into _pairs of parameters to take up at the next step whatever their version says.
+        self._pending: set[int] = set()
+        self._tracker = VersionTracker()
         for group in optimizer.param_groups:
             group["params"] = self._with_masters(group["params"])
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer owns groups and state.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._own(self._pairs)
 
-    @staticmethod
-    def _check_params(param_groups, loss_scaler, where: str) -> None:
-        for gi, group in enumerate(param_groups):
-            for pi, p in enumerate(group["params"]):
-                if loss_scaler is None and p.dtype == torch.float16 and p.requires_grad:
-                    raise ValueError(
-                        f"Invalid loss_scaler: {where} param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) "
-                        "is float16, and float16 gradients need loss scaling (small ones flush to zero); pass "
-                        "loss_scaler=DynamicLossScaler() or ConstantLossScaler(...)")
+    def _own(self, pairs) -> None:
+        """Register as the owner of the model parameters of ``pairs`` and record their versions."""
+        params = [p for p, _ in pairs]
+        register_owner(params, self)
+        self._tracker.record(params)
 
     def _with_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` with each low-precision parameter replaced by a new float32 master (recorded in pairs)."""
@@ -409,54 +617,72 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale ``S`` (``1.0`` without a scaler)."""
-        return 1.0 if self.loss_scaler is None else _scaler_scale(self.loss_scaler)
+        return loss_scale_of(self.loss_scaler)
 
     def master_params(self) -> list[torch.Tensor]:
         """The float32 masters, one per float16/bfloat16 model parameter, in group order."""
         return [master for _, master in self._pairs]
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict, optimizer=None) -> None:
         """Add a group of *model* parameters: low-precision ones get masters, then the inner optimizer adds it.
 
+        Args:
+            param_group: a dict with ``params`` (model parameters) and optional hyperparameters.
+            optimizer: only when the inner optimizer is a :class:`~optbook.optim.ChainedOptimizer`: the
+                member (index or object) that gets the group, passed on to its ``add_param_group`` (which
+                may leave it out when the chain has one member).
+
         Raises:
-            ValueError: a float16 parameter without a loss scaler; whatever the inner
-                ``add_param_group`` raises (then nothing has been recorded here).
+            ValueError: a float16 parameter without a loss scaler; ``optimizer`` given when the inner
+                optimizer is not a chain; whatever the inner ``add_param_group`` raises (then nothing has
+                been recorded here).
         """
+        from .optim import ChainedOptimizer
+
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._check_params([{"params": params}], self.loss_scaler, "the new group's")
+        check_float16_scaled([(f"the new group's param_groups[0]['params'][{pi}]", p)
+                              for pi, p in enumerate(params)], self.loss_scaler)
+        chain = isinstance(self.optimizer, ChainedOptimizer)
+        if optimizer is not None and not chain:
+            raise ValueError(f"Invalid optimizer: it names the member of a ChainedOptimizer that gets the group; "
+                             f"this wrapper's inner optimizer is a {type(self.optimizer).__name__}")
         n_pairs, n_params = len(self._pairs), len(self._model_params)
+        group = {**param_group, "params": self._with_masters(params)}
         try:
-            self.optimizer.add_param_group({**param_group, "params": self._with_masters(params)})
+            if chain:
+                self.optimizer.add_param_group(group, optimizer=optimizer)
+            else:
+                self.optimizer.add_param_group(group)
         except Exception:
             del self._pairs[n_pairs:], self._model_params[n_params:]
             raise
+        self._own(self._pairs[n_pairs:])
 
     def reload_model_params(self) -> None:
-        """Copy every low-precision model parameter into its master (after editing the model's weights)."""
+        """Copy every low-precision model parameter into its master, exactly (the master's low bits are lost).
+
+        Not needed after an outside write (the next :meth:`step` takes it up, keeping the low bits of
+        unchanged elements); it discards what the masters hold beyond the model's precision.
+        """
         with torch.no_grad():
             for p, master in self._pairs:
                 master.copy_(p)
+        self._pending.clear()
+        self._tracker.record([p for p, _ in self._pairs])
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * S`` for ``backward()`` (``S = 1`` without a scaler).
+        """``loss * S`` for ``backward()`` (``S = 1`` without a scaler); see :func:`scaled_loss`.
 
         A float16/bfloat16 ``loss`` is cast to float32 first (a float16 loss of 1 times ``2**16``
         overflows by itself). Compute the loss in float32 where possible: the gradient flowing back
         into the first float16 tensor is ``S`` times its true value and overflows when that exceeds
         65504 -- which is the overflow the scaler is there to detect.
 
-        Args:
-            loss: a floating-point tensor (usually 0-dim).
-
         Raises:
             TypeError: ``loss`` is not a floating-point tensor.
         """
-        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
-            raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-        if loss.dtype in _LOW_PRECISION:
-            loss = loss.float()
-        return loss * self.loss_scale
+        return scaled_loss(loss, self.loss_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every model parameter and every master."""
@@ -472,10 +698,47 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
 
+    # --- owner of the low-precision parameters (optbook.contract) ----------------------------------------
+    def _take_up(self, indices) -> None:
+        """Take up the outside writes of the pairs at ``indices`` into their masters, then record."""
+        for i in indices:
+            take_up_(self._pairs[i][1], self._pairs[i][0])
+        self._pending.difference_update(indices)
+        self._tracker.record([self._pairs[i][0] for i in indices])
+
+    def _take_up_outside_writes(self) -> None:
+        params = [p for p, _ in self._pairs]
+        changed = sorted(set(self._tracker.changed(params)) | self._pending)
+        if changed:
+            self._take_up(changed)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """``master *= factor`` in float32, then ``param <- master`` rounded (:func:`optbook.contract.scale_weights_`).
+
+        Args:
+            param: a float16/bfloat16 model parameter this wrapper keeps a master for.
+            factor: a Python number or a real tensor broadcastable to ``param.shape`` (a row scaling:
+                shape ``(rows, 1)``), applied in float32 or wider.
+
+        An outside write of ``param`` not yet taken up is taken up first.
+        """
+        for i, (p, master) in enumerate(self._pairs):
+            if p is param:
+                break
+        else:  # not one of ours (any more): an ordinary in-place scaling
+            param.mul_(factor)
+            return
+        if i in self._pending or self._tracker.changed([p]):
+            self._take_up([i])
+        master.mul_(factor.to(master.device) if isinstance(factor, torch.Tensor) else factor)
+        p.copy_(master)
+        self._tracker.record([p])
+
     # --- the step ----------------------------------------------------------------------------------------
     def _validate(self) -> float:
-        """Check the scale, an optbook inner optimizer's hyperparameters and every low-precision gradient
-        before anything is written; return the scale."""
+        """Check the scale, an optbook inner optimizer's hyperparameters and every model gradient (shape,
+        dtype, device; finite without a loss scaler) before anything is written; return the scale."""
         scale = self.loss_scale
         if isinstance(self.optimizer, BookOptimizer):  # its hyperparameters (a scheduler may have set them)
             for group in self.optimizer.param_groups:
@@ -483,6 +746,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for i, (p, _) in enumerate(self._pairs):
             if p.grad is not None:
                 check_grad(p, f"model parameter {i} (float16/bfloat16)")
+        if self.loss_scaler is None and self.check_for_nonfinite:
+            named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
+                     for pi, p in enumerate(g["params"])]
+            model_of = {id(m): p for p, m in self._pairs}
+            named = [(w, model_of.get(id(q), q)) for w, q in named]
+            named = [(w, p) for w, p in named if p.grad is not None and p.grad.numel()]
+            if named and not all_finite([p.grad for _, p in named]):
+                for where, p in named:
+                    if not bool(torch.isfinite(p.grad).all()):
+                        raise NonFiniteGradientError(
+                            f"Non-finite gradient of {where} (shape {tuple(p.shape)}, the model's "
+                            f"{p.dtype}): nothing was written; pass a loss scaler to skip such steps")
         return scale
 
     def _copy_model_grads_to_main_grads(self) -> None:
@@ -493,28 +768,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 master.grad = p.grad.detach().to(torch.float32)
             else:
                 master.grad.copy_(p.grad)
-
-    def _unscale_and_check(self, scale: float) -> bool:
-        """Divide every main gradient by ``scale`` and report a non-finite one; one synchronisation per device.
-
-        With a loss scaler: ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype)
-        list (as Megatron and ``torch.amp.GradScaler``), one found-inf flag per device. Without one:
-        no division; the check (if enabled) is :func:`optbook.optim.optimizer.all_finite`.
-        """
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and p.numel()]
-        if self.loss_scaler is None:
-            return self.check_for_nonfinite and bool(grads) and not all_finite(grads)
-        by_key: dict = {}
-        for g in grads:
-            by_key.setdefault((g.device, g.dtype), []).append(g)
-        found: dict = {}
-        inv: dict = {}
-        for (device, _), gs in by_key.items():
-            if device not in found:
-                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
-        return any(bool(f.item()) for f in found.values())
 
     def _cast_state(self, dtype: torch.dtype | None) -> None:
         """Cast every floating-point state tensor except ``step`` to ``dtype`` (``None``: its parameter's dtype)."""
@@ -528,60 +781,79 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _copy_main_params_to_model_params(self) -> None:
         for p, master in self._pairs:
             p.copy_(master)  # one rounding to the model's dtype
+        self._tracker.record([p for p, _ in self._pairs])
 
     @torch.optim.Optimizer.profile_hook_step  # runs hooks from register_step_pre_hook / post_hook
     @torch.no_grad()
-    def step(self, closure=None) -> bool:
+    def step(self, closure=None):
         """One mixed-precision step, in Megatron's order (``MixedPrecisionOptimizer.step``).
 
+        0. validate (nothing written on an error); take up outside writes of the model parameters;
         1. copy each float16/bfloat16 model gradient into its master's ``.grad`` (float32);
-        2. divide every main gradient by ``S`` and look for ``inf``/``NaN`` in the same pass;
-        3. ``loss_scaler.update(found_inf)`` (every iteration, skipped or not);
+        2. with a loss scaler, divide every main gradient by ``S`` and look for ``inf``/``NaN`` in the same
+           pass (:func:`unscale_grads_`);
+        3. ``loss_scaler.update(found_inf)``;
         4. if ``found_inf``: skip -- no clipping, no inner step; model parameters, masters and the
            inner optimizer's state (step counts included) are bitwise unchanged; ``skipped_steps += 1``;
         5. otherwise clip by the global norm (if ``max_grad_norm``), step the inner optimizer on the
            masters, and round each master into its model parameter.
 
+        A step in which no parameter has a gradient does nothing after step 0: the scaler is not updated
+        (a clean step would count toward growth), ``found_inf`` is ``False`` and nothing is counted.
+        ``torch.amp.GradScaler`` refuses such a step outright (``step`` asserts "No inf checks were
+        recorded for this optimizer"); Megatron-LM would count it as clean. Here it is a no-op, as
+        ``torch.optim``'s step without gradients.
+
         Args:
             closure: optional callable that recomputes the loss and calls ``backward`` on
-                :meth:`scale_loss` of it; it runs with gradients enabled. Its return value is not used.
+                :meth:`scale_loss` of it; it runs with gradients enabled.
 
         Returns:
-            ``True`` when the update was applied, ``False`` when the step was skipped (Megatron's
-            ``update_successful``). Advance a learning-rate scheduler only on ``True``, so a skipped
-            iteration does not consume a step of the schedule.
+            The closure's loss, or ``None`` (as ``torch.optim``). Whether the update was applied is
+            ``not self.found_inf``: advance a learning-rate scheduler only then, so a skipped iteration
+            does not consume a step of the schedule.
 
         Raises:
-            ValueError, TypeError: the loss scale is not finite and ``> 0``, a hyperparameter of an
-                optbook inner optimizer is invalid, or a model gradient has another shape, dtype or device
-                (nothing changed). Another inner optimizer's errors surface from its own ``step``, after
-                the scaler's update.
+            optbook.contract.NonFiniteGradientError: without a loss scaler (and ``check_for_nonfinite``),
+                a gradient holds ``inf``/``NaN``; the message names the parameter.
+            ValueError, TypeError: the loss scale is outside ``(0, FLOAT32_MAX]``, a hyperparameter of an
+                optbook inner optimizer is invalid, or a model gradient has another shape, dtype or device.
+                Nothing is written in these cases. Another inner optimizer's errors surface from its own
+                ``step``, after the scaler's update.
         """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         scale = self._validate()
+        self._take_up_outside_writes()
+        if not any(p.grad is not None for p in self._model_params):
+            self.found_inf = False
+            return loss
         self._copy_model_grads_to_main_grads()
-        found_inf = self._unscale_and_check(scale)
+        found_inf = False
         if self.loss_scaler is not None:
+            found_inf = unscale_grads_([p.grad for g in self.param_groups for p in g["params"]
+                                        if p.grad is not None and p.numel()], scale)
             self.loss_scaler.update(found_inf)
         self.found_inf = found_inf
         if found_inf:
             self.skipped_steps += 1
-            return False
+            return loss
         if self.max_grad_norm is not None:
             from optbook.clipping import clip_grad_norm_  # written with chapter 12; needed only when clipping
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm)
+            self.last_grad_norm = float(clip_grad_norm_(params, self.max_grad_norm))
         if self.state_dtype is not None:
             self._cast_state(None)  # compute in the parameters' dtype
         self.optimizer.step()
         if self.state_dtype is not None:
             self._cast_state(self.state_dtype)  # store in state_dtype
         self._copy_main_params_to_model_params()
-        return True
+        return loss
 
     # --- checkpoints -------------------------------------------------------------------------------------
+    @torch._disable_dynamo
     def state_dict(self) -> dict:
         """The inner optimizer's state dict, the masters, the scaler's state and ``skipped_steps``.
 
@@ -589,25 +861,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             ``{"optimizer": inner.state_dict(), "master_params": [float32 tensors, group order],
             "loss_scaler": scaler.state_dict() or None, "skipped_steps": int}``. As with
             ``torch.optim``, tensors are the live ones: ``torch.save`` the dict (or deep-copy it)
-            before stepping on.
+            before stepping on. The state-dict pre and post hooks run as in ``torch.optim``.
         """
-        return {"optimizer": self.optimizer.state_dict(),
-                "master_params": [master.detach() for master in self.master_params()],
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-                "skipped_steps": self.skipped_steps}
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = {"optimizer": self.optimizer.state_dict(),
+              "master_params": [master.detach() for master in self.master_params()],
+              "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+              "skipped_steps": self.skipped_steps}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from :meth:`state_dict` of a wrapper over the same parameters.
-
-        Copies the masters (then rounds them into the model parameters), loads the inner optimizer and
-        the scaler, and restores ``skipped_steps``. A resumed run then continues bit-identically.
-
-        Raises:
-            ValueError: a key is missing, the master count or a shape differs, a scaler state is present
-                without a scaler or missing with one, or the scaler refuses its state; what the inner
-                ``load_state_dict`` raises. All of these are found before anything is loaded.
-        """
-        missing = [k for k in ("optimizer", "master_params", "loss_scaler", "skipped_steps") if k not in state_dict]
+    def _check_state_dict(self, state_dict) -> int:
+        """Everything :meth:`load_state_dict` checks before writing; returns ``skipped_steps``."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
+        missing = [k for k in ("optimizer", "master_params", "loss_scaler") if k not in state_dict]
         if missing:
             raise ValueError(f"Invalid state_dict: missing {', '.join(missing)} (expected a "
                              "MixedPrecisionOptimizer state dict)")
@@ -619,23 +891,79 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if not isinstance(saved, torch.Tensor) or saved.shape != master.shape:
                 raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
                                  f"{tuple(getattr(saved, 'shape', ()))}, expected {tuple(master.shape)}")
+            if not saved.is_floating_point():
+                raise ValueError(f"Invalid state_dict: master_params[{i}] has dtype {saved.dtype}, expected "
+                                 "float32")
+        members = _members(self.optimizer)
+        params = [list(g["params"]) for g in self.param_groups]
+        flat = [p for ps in params for p in ps]
+        check_optimizer_state_dict(state_dict["optimizer"], params,
+                                   [elementwise(type(m)) for m in members],
+                                   [self.state.get(p, {}) for p in flat], "state_dict['optimizer']")
         if (state_dict["loss_scaler"] is None) != (self.loss_scaler is None):
             raise ValueError("Invalid state_dict: " + ("it holds no loss scaler state, but this optimizer has a "
                              "loss scaler" if self.loss_scaler is not None else
                              "it holds a loss scaler state, but this optimizer has no loss scaler"))
-        skipped = _check_int("state_dict['skipped_steps']", state_dict["skipped_steps"], 0)
+        skipped = _check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", 0), 0)
         if self.loss_scaler is not None:  # a scaler state that does not load fails here, before any write
             copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["loss_scaler"])
+        return skipped
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` of a wrapper over parameters of the same shapes.
+
+        Copies the masters (then rounds them into the model parameters), loads the inner optimizer and
+        the scaler, and restores ``skipped_steps`` (``0`` when the dict has none: saved before it existed).
+        A resumed run then continues bit-identically -- also when the model's own weights-only state dict
+        is loaded before or after this one (loading the rounded masters changes no element, so the
+        masters keep their low bits: :func:`take_up_`). The load-state-dict pre and post hooks run as in
+        ``torch.optim``.
+
+        Raises:
+            ValueError: not a dict or a key missing; another number of masters or of groups, parameters
+                in a group, a master or state tensor of another shape, a state tensor that is not
+                floating point (:func:`check_optimizer_state_dict`); a scaler state present without a
+                scaler or missing with one, or refused by the scaler; what the inner ``load_state_dict``
+                raises. Everything is checked first: on an error parameters, masters, state and scaler
+                are bitwise unchanged.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        skipped = self._check_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.state_dtype is not None:  # torch.optim casts loaded state to the parameter's dtype
             self._cast_state(self.state_dtype)
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
-            for saved, (p, master) in zip(masters, self._pairs):
+            for saved, (p, master) in zip(state_dict["master_params"], self._pairs):
                 master.copy_(saved)
                 p.copy_(master)
+        self._pending.clear()
+        self._tracker.record([p for p, _ in self._pairs])
         self.skipped_steps = skipped
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # --- copy and pickle -----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """Everything (the inner optimizer, pairs, scaler, hooks); outside writes not yet taken up are
+        remembered by position, since the version tracker is keyed by tensor identity."""
+        state = dict(self.__dict__)
+        tracker = state.pop("_tracker")
+        state["_pending"] = set(self._pending) | set(tracker.changed([p for p, _ in self._pairs]))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for name in _HOOK_DICTS:
+            if not hasattr(self, name):
+                setattr(self, name, OrderedDict())
+        self._tracker = VersionTracker()
+        self._own(self._pairs)
 
     def __repr__(self) -> str:
         inner = repr(self.optimizer).replace("\n", "\n  ")

@@ -20,7 +20,11 @@ rescaling weights. Which rows belong to which head is read from the attention mo
   ``W_qr`` by ``gamma_h`` (``alpha_h * beta``); the rotary key, shared by all heads, is never touched.
 
 Heads (GQA: groups) with no logit above tau are left bit-for-bit untouched; V, the output projection
-and every other weight never change. With ``torch.distributed`` initialised, the per-head maxima are
+and every other weight never change. Every scaling goes through :func:`optbook.contract.scale_weights_`
+with one ``(rows, 1)`` factor column per weight (exactly 1 on untouched rows): a wrapper that keeps its
+own copy of the weights (the float32 masters of :class:`~optbook.precision.MixedPrecisionOptimizer`, the
+host copies of :class:`~optbook.memory.OffloadOptimizer`) scales that copy and rewrites the model's weight
+from it, so its next step does not undo the clip. With ``torch.distributed`` initialised, the per-head maxima are
 first all-reduced with MAX over ``process_group`` (default: the whole world), so every data-parallel
 rank clips identically.
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .contract import scale_weights_
 from .models.heads import attention_modules
 
 __all__ = ["qk_clip_", "qk_clip_factors"]
@@ -114,11 +119,27 @@ def _check_clippable(i: int, attn: nn.Module) -> None:
                              "a part of the logits qk_clip_ does not scale")
 
 
-def _scale_rows_(weight: torch.Tensor, factors: torch.Tensor, blocks: list[slice]) -> None:
-    """Multiply row block ``b`` of ``weight`` by ``factors[b]``, skipping 1s."""
+def row_factors(weight: torch.Tensor, factors: torch.Tensor, blocks: list[slice],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``(rows, 1)`` factor column that multiplies row block ``b`` of ``weight`` by ``factors[b]``.
+
+    Args:
+        weight: the 2-D weight (its row count and dtype are read).
+        factors: float64, one per block.
+        blocks: row slices of ``weight``.
+        out: a column from an earlier call for another part of the same (fused) weight, updated in place.
+
+    Returns:
+        Shape ``(weight.shape[0], 1)``, dtype float64 for a float64 weight, else float32 (the precision a
+        Python-scalar multiply of the weight computes in); exactly 1 on every row no block names.
+    """
+    if out is None:
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        out = torch.ones(weight.shape[0], 1, dtype=dtype, device=weight.device)
     for rows, f in zip(blocks, factors.tolist()):
         if f != 1.0:
-            weight[rows].mul_(f)
+            out[rows] = f
+    return out
 
 
 @torch.no_grad()
@@ -188,9 +209,14 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
         factors = {"query": q_factor, "key": k_factor,
                    # the rotary key is shared and untouched: the rotary query carries the whole alpha_h * beta
                    "rotary_query": q_factor * k_factor.repeat_interleave(layout.group)}
+        columns = {}  # weight name -> its (rows, 1) factor column, every clipped part of a fused weight in one
         for part in layout.parts:
             if part.role in CLIPPED_ROLES:
-                _scale_rows_(attn.get_parameter(part.weight), factors[part.role], part.slices())
+                w = attn.get_parameter(part.weight)
+                columns[part.weight] = row_factors(w, factors[part.role], part.slices(), columns.get(part.weight))
+        for weight, column in columns.items():
+            if not bool((column == 1).all()):  # a weight with no clipped row is not written at all
+                scale_weights_(attn.get_parameter(weight), column)
         for h in range(layout.n_heads):
             if float(s_max[h]) > tau or q_factor[h] != 1.0:
                 report.append(dict(layer=i, head=h, s_max=float(s_max[h]), gamma=min(1.0, tau / float(s_max[h])),

@@ -5,18 +5,20 @@
 ``torchrun``. :class:`DistributedOptimizer` is ZeRO-1 (chapter 13): each rank keeps the optimizer state of
 one shard of a flat parameter buffer. The functions the chapters run on every rank live in
 :mod:`optbook.distributed.workers`: spawned processes import them by name, so they cannot be defined in a
-notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT bin packing),
-:class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a gather of each full matrix),
-:class:`DistributedChain` (one global gradient norm with a ZeRO-1 AdamW) and
+notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT bin packing;
+:mod:`~optbook.distributed.layerwise_muon`), :class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a
+gather of each full matrix; :mod:`~optbook.distributed.distributed_muon`), :class:`DistributedChain` (one
+global gradient norm with a ZeRO-1 AdamW; :mod:`~optbook.distributed.chain`) and
 :func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards).
 ``python -m optbook.distributed.demo`` (:mod:`optbook.distributed.demo`) trains a small
 transformer with :class:`DistributedOptimizer` under ``torchrun`` (NCCL or gloo), or on local gloo
 processes.
 """
 
+from .chain import DistributedChain
+from .distributed_muon import DistributedMuon, zero1_comm_bytes
 from .launch import init_from_env, launch
-from .layerwise_muon import (DistributedChain, DistributedMuon, LayerWiseMuon, lpt_assign, ns_cost, rank_loads,
-                             round_robin_assign, zero1_comm_bytes)
+from .layerwise_muon import LayerWiseMuon, lpt_assign, ns_cost, rank_loads, round_robin_assign
 from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 from .zero1 import DistributedOptimizer, shard_layout
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_same_params", "global_rank", "group_info", "sync_status", "validate_on_every_rank"]
+from ..contract import NonFiniteGradientError
+
+__all__ = ["check_same_params", "global_rank", "group_info", "params_difference", "sync_status",
+           "validate_on_every_rank"]
 
 
 def group_info(process_group):
@@ -24,15 +27,33 @@ def global_rank(group, rank: int) -> int:
 
 
 def check_same_params(params, group, world_size, who: str) -> None:
-    """Every rank must pass the same list of shapes and dtypes (a collective; raises on every rank)."""
+    """Every rank must pass the same list of shapes and dtypes: one collective (``all_gather_object``), and
+    on a difference a ``ValueError`` on every rank naming the first parameter (param-group order) that
+    differs, its shape and dtype on each side and the ranks of each side (group ranks), e.g. ``parameter 2:
+    shape (4, 3) torch.float32 on ranks [0], shape (3, 4) torch.float32 on ranks [1]``."""
     mine = [(tuple(p.shape), str(p.dtype)) for p in params]
     every = [None] * world_size
     dist.all_gather_object(every, mine, group=group)
+    message = params_difference(every)
+    if message is not None:
+        raise ValueError(f"Invalid params: {who} needs the same parameters (shapes, dtypes, order) on every "
+                         f"rank; {message}")
+
+
+def params_difference(every: list) -> str | None:
+    """``None`` when the ranks' ``[(shape, dtype name)]`` lists agree, else a sentence naming the first
+    parameter index where they differ, each side's shape and dtype (or its absence) and its ranks."""
+    if all(theirs == every[0] for theirs in every):
+        return None
+    i = 0
+    while all(i < len(t) for t in every) and all(t[i] == every[0][i] for t in every):
+        i += 1
+    sides: dict = {}
     for r, theirs in enumerate(every):
-        if theirs != mine:
-            raise ValueError(f"Invalid params: {who} needs the same parameters (shapes, dtypes, order) on every "
-                             f"rank; rank {r} has {len(theirs)} parameters {theirs[:4]}..., this rank {len(mine)} "
-                             f"{mine[:4]}...")
+        sides.setdefault(theirs[i] if i < len(theirs) else None, []).append(r)
+    parts = [(f"absent ({len(every[ranks[0]])} parameters in all)" if side is None
+              else f"shape {side[0]} {side[1]}") + f" on ranks {ranks}" for side, ranks in sides.items()]
+    return f"parameter {i}: " + ", ".join(parts)
 
 
 def validate_on_every_rank(opt, name: str) -> list[bool]:
@@ -54,13 +75,21 @@ def validate_on_every_rank(opt, name: str) -> list[bool]:
 
 
 def sync_status(error, rank, has_grad, group, device, who) -> list:
-    """One all-reduce (MAX) of ``[failing rank + 1, has_grad...]``; raise on every rank if some rank failed."""
-    status = torch.tensor([rank + 1 if error is not None else 0, *has_grad], dtype=torch.float64, device=device)
+    """One all-reduce (MAX) of ``[code, has_grad...]``; raise on every rank if some rank failed.
+
+    ``code`` is ``0`` without error, else ``2 (rank + 1) + k`` with ``k = 1`` for a
+    :class:`optbook.contract.NonFiniteGradientError` and ``0`` for any other error, so that every rank raises
+    the class of the error that the highest failing rank found (its own error on that rank)."""
+    code = 0 if error is None else 2 * (rank + 1) + isinstance(error, NonFiniteGradientError)
+    status = torch.tensor([code, *has_grad], dtype=torch.float64, device=device)
     dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
     status = status.tolist()
     if error is not None:
         raise error
     if status[0]:
-        raise ValueError(f"{who}.step: rank {int(status[0]) - 1} of the group found an invalid input (see its "
-                         "error); nothing was changed on any rank")
+        bad, nonfinite = divmod(int(status[0]), 2)
+        cls = NonFiniteGradientError if nonfinite else ValueError
+        what = "a non-finite gradient (inf or NaN)" if nonfinite else "an invalid input"
+        raise cls(f"{who}.step: rank {bad - 1} of the group found {what} (see its error); nothing was changed on "
+                  "any rank")
     return [bool(s) for s in status[1:]]

@@ -106,13 +106,14 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device=None) -> 
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
                                                  tokens[:, 1:].reshape(-1))
         opt.scale_loss(loss).backward()
-        applied = opt.step()
+        opt.step()
+        applied = not opt.found_inf
         opt.zero_grad()
         mean = loss.detach().float().reshape(1)
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
         if rank == 0:
-            norm = "" if opt.last_grad_norm is None else f"  grad norm {opt.last_grad_norm.item():.4f}"
+            norm = "" if opt.last_grad_norm is None else f"  grad norm {opt.last_grad_norm:.4f}"
             extra = f"  loss scale {opt.loss_scale:g}" if args.bf16 else ""
             print(f"step {step + 1:4d}  loss {losses[-1]:.4f}{norm}{extra}"
                   f"{'' if applied else '  (skipped: inf/NaN)'}", flush=True)

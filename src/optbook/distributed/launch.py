@@ -18,6 +18,7 @@ import math
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import sys
 import time
@@ -106,19 +107,47 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, kwargs, results)
         dist.destroy_process_group()
 
 
-def _failure_report(rank: int, world_size: int, trace: str, results, wait: float = 0.5) -> str:
-    """The first failing rank's traceback, then those of ranks that failed within ``wait`` seconds after
-    it (often a consequence: a peer that left mid-collective)."""
-    report = f"optbook.distributed.launch: rank {rank} of {world_size} raised:\n{trace}"
+def _exit_reason(code: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"`` for a process's ``exitcode`` (negative: killed by a signal)."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _died(procs, reported) -> list[tuple[int, int]]:
+    """``(rank, exitcode)`` of the workers that ended abnormally without sending a message (a worker that
+    raised sends its traceback and exits with code 0)."""
+    return [(r, p.exitcode) for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+
+
+def _failure_report(failures: list, world_size: int, procs, results, reported: set, wait: float = 0.5) -> str:
+    """Why the launch failed: workers that died without a Python exception (killed by a signal,
+    ``os._exit``, a crash in the interpreter: their peers then raise connection errors, which are a
+    consequence) first, with their exit code or signal; then the tracebacks of ranks that raised, in
+    arrival order. Messages and deaths are collected for ``wait`` seconds after the first failure.
+
+    ``failures``: ``[(rank, traceback)]`` received so far; ``reported``: ranks that sent a message."""
     until = time.monotonic() + wait
     while (left := until - time.monotonic()) > 0:
         try:
-            other, ok, payload = results.get(timeout=left)
+            other, ok, payload = results.get(timeout=min(left, 0.05))
         except queue_module.Empty:
-            break
+            continue
+        reported.add(other)
         if not ok:
-            report += f"\nThen rank {other} of {world_size} raised:\n{payload}"
-    return report
+            failures.append((other, payload))
+    lines = []
+    for r, code in _died(procs, reported):
+        lines.append(f"optbook.distributed.launch: rank {r} of {world_size} died without a Python exception "
+                     f"({_exit_reason(code)}) and without returning a result")
+    for k, (r, trace) in enumerate(failures):
+        first = k == 0 and not lines
+        lines.append(f"{'optbook.distributed.launch: rank' if first else 'Then rank'} {r} of {world_size} "
+                     f"raised:\n{trace}")
+    return "\n".join(lines)
 
 
 def _stop(procs) -> None:
@@ -162,7 +191,9 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
         TypeError, ValueError: invalid ``fn``, ``world_size``, ``backend`` or ``timeout``, or ``"nccl"``
             without CUDA.
         RuntimeError: a worker raised (the message names its rank and holds its traceback), died without
-            a result (its exit code), or did not finish before the deadline. All workers are stopped first.
+            a Python exception (the message names that rank and its exit code or signal first, ahead of the
+            connection errors its death causes on the other ranks), or did not finish before the deadline.
+            All workers are stopped first.
     """
     _check_importable(fn)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -183,19 +214,16 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
     try:
         for p in procs:
             p.start()
+        reported: set[int] = set()
         while len(out) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue_module.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if r not in out and p.exitcode not in (None, 0)]
-                if dead:  # exited without a result (killed, os._exit, crash in the interpreter)
+                if _died(procs, reported):  # exited without a result (killed, os._exit, crash in the interpreter)
                     try:
                         rank, ok, payload = results.get(timeout=1.0)  # a last message may still be in flight
                     except queue_module.Empty:
-                        r, code = dead[0]
-                        raise RuntimeError(f"optbook.distributed.launch: rank {r} of {world_size} exited "
-                                           f"with code {code} without returning a result") from None
+                        raise RuntimeError(_failure_report([], world_size, procs, results, reported)) from None
                 elif time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(out))
                     raise RuntimeError(f"optbook.distributed.launch: ranks {missing} of {world_size} did not "
@@ -203,8 +231,9 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
                                        f"+ {STARTUP_GRACE:.0f} s to start); they were stopped") from None
                 else:
                     continue
+            reported.add(rank)
             if not ok:
-                raise RuntimeError(_failure_report(rank, world_size, payload, results))
+                raise RuntimeError(_failure_report([(rank, payload)], world_size, procs, results, reported))
             out[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))

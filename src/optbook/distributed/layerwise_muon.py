@@ -2,7 +2,7 @@
 
 Newton–Schulz orthogonalises a *whole* matrix: the polar factor of a matrix is not the concatenation of
 the polar factors of its pieces, so the ZeRO-1 layout of chapter 13 (element shards that ignore parameter
-boundaries) cannot step Muon shard by shard. Two ways out, both here:
+boundaries) cannot step Muon shard by shard. Two ways out:
 
 * :class:`LayerWiseMuon` -- **whole-matrix ownership**. Each 2-D parameter is owned by one rank, chosen by
   longest-processing-time-first bin packing (:func:`lpt_assign`) on the Newton–Schulz cost
@@ -13,17 +13,19 @@ boundaries) cannot step Muon shard by shard. Two ways out, both here:
   (``megatron/core/optimizer/layer_wise_optimizer.py``: "legacy" path, gradients all-reduced, parameters
   all-gathered with variable sizes; LPT packing by ``max(m, n) * min(m, n)**2``) and the ownership DeepSeek-V4
   describes (whole logical matrices assigned to ranks).
-* :class:`DistributedMuon` -- **Moonlight's distributed Muon** (Liu et al. 2025, "Muon is Scalable for LLM
-  Training", arXiv:2502.16982, section 2.3 and Algorithm 1): the ZeRO-1 layout of
+* :class:`DistributedMuon` (:mod:`optbook.distributed.distributed_muon`) -- **Moonlight's distributed
+  Muon** (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982, section 2.3 and
+  Algorithm 1): the ZeRO-1 layout of
   :func:`optbook.distributed.shard_layout`; gradients reduce-scattered; the momentum kept for the local
   element shard only; each step the momentum-updated shards are all-gathered (in bfloat16 by default) into
   full matrices, each matrix is orthogonalised, and each rank keeps the part of the update that falls in its
   shard; parameters all-gathered as in ZeRO-1. It communicates one gather more than ZeRO-1 AdamW:
   :attr:`DistributedMuon.comm_bytes` counts it, :func:`zero1_comm_bytes` gives the formula.
 
-:class:`DistributedChain` chains one of them with a ZeRO-1 ``DistributedOptimizer`` (AdamW for embeddings,
-norms, biases) so that both clip by **one** global norm of the averaged raw gradients (not of the
-orthogonalised updates).
+:class:`DistributedChain` (:mod:`optbook.distributed.chain`) chains one of them with a ZeRO-1
+``DistributedOptimizer`` (AdamW for embeddings, norms, biases) so that both clip by **one** global norm of
+the averaged raw gradients (not of the orthogonalised updates). This module holds :class:`LayerWiseMuon` and
+the assignment functions and re-exports the other two classes and :func:`zero1_comm_bytes`.
 
 Communication volume convention (:attr:`LayerWiseMuon.comm_bytes`, :attr:`DistributedMuon.comm_bytes`,
 :func:`zero1_comm_bytes`): a collective counts the bytes of the full buffer it reduces or gathers
@@ -36,26 +38,33 @@ from __future__ import annotations
 
 import copy
 import heapq
-import inspect
 import math
 
 import torch
 import torch.distributed as dist
 
+from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
 from ..optim import Muon, muon
-from ..optim._functional import momentum_directions
+from ..optim._validation import check_int
 from ..optim.muon import split_rows
-from ..optim.optimizer import all_finite
-from .zero1 import _LOW_PRECISION, _all_gather, _check_int, _reduce_scatter, shard_layout
+from ._collectives import all_gather
+from ._muon_common import (
+    check_max_grad_norm,
+    check_muon_state_dict,
+    consolidate,
+    consolidated_state,
+    first_nonfinite,
+    hyper,
+    nbytes,
+    nonfinite_error,
+    shard_parts,
+)
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from .chain import DistributedChain  # re-exported: the other two classes of chapter 14 have their own modules
+from .distributed_muon import DistributedMuon, zero1_comm_bytes
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
-
-#: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
-_MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
-#: ``torch.nn.utils.clip_grad_norm_``'s ``1e-6`` in ``max_norm / (norm + 1e-6)`` (as optbook.clipping).
-_CLIP_EPS = 1e-6
 
 
 # --- assignment of whole matrices to ranks -----------------------------------------------------------------
@@ -102,7 +111,7 @@ def lpt_assign(costs, world_size: int) -> list[int]:
         TypeError, ValueError: a bad ``world_size`` or cost, named in the message.
     """
     costs = _check_costs(costs)
-    world_size = _check_int("world_size", world_size, 1)
+    world_size = check_int("world_size", world_size, 1)
     heap = [(0, r) for r in range(world_size)]  # (load, rank): the smallest load, then the lowest rank
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
@@ -118,8 +127,8 @@ def round_robin_assign(n_items: int, world_size: int) -> list[int]:
     Raises:
         TypeError, ValueError: a bad ``n_items`` or ``world_size``.
     """
-    n_items = _check_int("n_items", n_items, 0)
-    world_size = _check_int("world_size", world_size, 1)
+    n_items = check_int("n_items", n_items, 0)
+    world_size = check_int("world_size", world_size, 1)
     return [i % world_size for i in range(n_items)]
 
 
@@ -130,7 +139,7 @@ def rank_loads(costs, owners, world_size: int) -> list:
         ValueError: ``owners`` and ``costs`` differ in length or an owner is out of range.
     """
     costs = _check_costs(costs)
-    world_size = _check_int("world_size", world_size, 1)
+    world_size = check_int("world_size", world_size, 1)
     owners = list(owners)
     if len(owners) != len(costs):
         raise ValueError(f"Invalid owners: {len(owners)} owners for {len(costs)} costs")
@@ -140,47 +149,6 @@ def rank_loads(costs, owners, world_size: int) -> list:
             raise ValueError(f"Invalid owners: {r!r} is not a rank in 0 .. {world_size - 1}")
         loads[r] += c
     return loads
-
-
-# --- helpers shared by both optimizers ----------------------------------------------------------------------
-def _clip_coefficient(norm: float, max_grad_norm) -> float:
-    """``min(1, max_norm / (norm + 1e-6))`` as :func:`optbook.clipping.clip_grad_norm_` (1 without clipping)."""
-    if max_grad_norm is None or not math.isfinite(norm):
-        return 1.0
-    return min(1.0, max_grad_norm / (norm + _CLIP_EPS))
-
-
-def _scale_(tensors, coef: float) -> None:
-    """Multiply in float64 with one rounding back, as :func:`optbook.clipping.clip_grad_norm_` does."""
-    if coef >= 1.0:
-        return
-    for g in tensors:
-        if g.dtype == torch.float64:
-            g.mul_(coef)
-        else:
-            g.copy_(g.to(torch.float64).mul_(coef))
-
-
-def _sumsq(tensors) -> float:
-    """Float64 sum of squares, one ``vector_norm`` per tensor (as :func:`optbook.clipping.get_grad_norm`)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for g in tensors:
-        total += torch.linalg.vector_norm(g, dtype=torch.float64).cpu().square()
-    return float(total)
-
-
-def _check_max_grad_norm(value):
-    from ..optim._validation import check_number
-
-    return None if value is None else check_number("max_grad_norm", value, low=0.0, low_open=True)
-
-
-def _hyper(group: dict) -> dict:
-    return {k: group[k] for k in _MUON_KEYS if k in group}
-
-
-def _nbytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 # --- layer-wise: whole matrices per rank --------------------------------------------------------------------
@@ -210,7 +178,11 @@ class LayerWiseMuon(Muon):
         state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state).
         comm_bytes: ``{"all_reduce": ..., "all_gather": ..., "control": ...}`` bytes counted since
             construction (module docstring's convention); :meth:`predicted_comm_bytes` per step.
-        last_grad_norm: the L2 norm of the averaged gradients at the last step (0-dim float64 tensor).
+        last_grad_norm: the L2 norm of the averaged gradients at the last step, before clipping (float;
+            ``None`` before the first step).
+        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
+            with (kept in the state dict, as every optbook wrapper's).
 
     The step (a collective)::
 
@@ -229,7 +201,13 @@ class LayerWiseMuon(Muon):
         ValueError, TypeError: what :class:`optbook.optim.Muon` raises; parameters that differ between
             ranks or sit on several devices; a bad ``assignment`` or ``max_grad_norm``. Before anything is
             written. :meth:`step` raises on **every** rank when one rank's input is invalid (hyperparameter,
-            gradient shape/dtype, non-finite gradient), with nothing written on any rank.
+            gradient shape/dtype), with nothing written on any rank.
+        optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
+            (on every rank, naming the parameter, nothing written; the step contract of
+            :mod:`optbook.contract`).
+
+    Outside writes to the parameters (``model.load_state_dict``, :func:`optbook.qk_clip_`) need no care:
+    the owners step the model's parameters themselves, so this class keeps no copy of the weights.
     """
 
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
@@ -237,7 +215,7 @@ class LayerWiseMuon(Muon):
         group, rank, world_size = group_info(process_group)
         if assignment not in ("lpt", "round_robin"):
             raise ValueError(f"Invalid assignment: expected 'lpt' or 'round_robin', got {assignment!r}")
-        max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
         super().__init__(params, **muon_defaults)  # validates parameters and hyperparameters
         all_params = [p for g in self.param_groups for p in g["params"]]
         devices = {p.device for p in all_params}
@@ -254,7 +232,8 @@ class LayerWiseMuon(Muon):
                        else round_robin_assign(len(self.costs), world_size))
         self.loads = rank_loads(self.costs, self.owners, world_size)
         self.comm_bytes = {"all_reduce": 0, "all_gather": 0, "control": 0}
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
         self._consolidated: dict | None = None
         self._mean_grads: list | None = None
         with torch.no_grad():
@@ -284,12 +263,12 @@ class LayerWiseMuon(Muon):
             has_grad: one bool per parameter (param-group order), whether some rank has its gradient
                 (``None``: all)."""
         has_grad = [True] * len(self._params) if has_grad is None else list(has_grad)
-        reduce = sum(2 * _nbytes(p.numel(), self._reduce_dtype(p.dtype)) for p, h in zip(self._params, has_grad) if h)
+        reduce = sum(2 * nbytes(p.numel(), self._reduce_dtype(p.dtype)) for p, h in zip(self._params, has_grad) if h)
         gather = 0
         for dtype in dict.fromkeys(p.dtype for p in self._params):
             per_rank = [sum(p.numel() for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype)
                         for r in range(self.world_size)]
-            gather += self.world_size * _nbytes(max(per_rank), dtype)
+            gather += self.world_size * nbytes(max(per_rank), dtype)
         return {"all_reduce": reduce, "all_gather": gather, "control": 8 * (1 + len(self._params))}
 
     @staticmethod
@@ -297,9 +276,10 @@ class LayerWiseMuon(Muon):
         return torch.promote_types(dtype, torch.float32)
 
     # --- the step in two halves (DistributedChain calls them separately) --------------------------------
-    def _reduce(self) -> tuple[float, bool]:
+    def _reduce(self) -> tuple[float, int | None]:
         """Validate, agree on errors, average the gradients. Returns ``(sum of squares of the mean gradient,
-        all finite)``, the same on every rank. Writes nothing but internal buffers."""
+        index of the first parameter whose mean gradient is not finite, or None)``, the same on every rank.
+        Writes nothing but internal buffers."""
         self._consolidated = None
         self._mean_grads = None
         has_grad = validate_on_every_rank(self, "LayerWiseMuon")
@@ -315,18 +295,17 @@ class LayerWiseMuon(Muon):
                 if self._params[i].grad is not None:
                     v.copy_(self._params[i].grad.reshape(-1))
             dist.all_reduce(flat, group=self.process_group)
-            self.comm_bytes["all_reduce"] += 2 * _nbytes(flat.numel(), dtype)
+            self.comm_bytes["all_reduce"] += 2 * nbytes(flat.numel(), dtype)
             flat.div_(self.world_size)
             for i, v in zip(idx, views):
                 mean[i] = v.view(self._params[i].shape)
-        present = [g for g in mean if g is not None]
         self._mean_grads = mean
-        return _sumsq(present), (not present or all_finite(present))
+        return float(grad_sumsq([g for g in mean if g is not None])), first_nonfinite(mean)
 
     def _apply(self, coef: float) -> None:
         """Clip the mean gradients by ``coef``, step the owned matrices, all-gather every matrix."""
         mean, self._mean_grads = self._mean_grads, None
-        _scale_([g for g in mean if g is not None], coef)
+        scale_grads_([g for g in mean if g is not None], coef)
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -339,7 +318,7 @@ class LayerWiseMuon(Muon):
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            muon(params, grads, [self.state[p]["momentum_buffer"] for p in params], **_hyper(group))
+            muon(params, grads, [self.state[p]["momentum_buffer"] for p in params], **hyper(group))
         self._all_gather_params()
 
     def _all_gather_params(self) -> None:
@@ -356,8 +335,8 @@ class LayerWiseMuon(Muon):
             if mine:
                 send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
             recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
-            _all_gather(recv, send, group=self.process_group)
-            self.comm_bytes["all_gather"] += _nbytes(recv.numel(), dtype)
+            all_gather(recv, send, group=self.process_group)
+            self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
             for r, ps in enumerate(per_rank):
                 if r == self.rank:
                     continue
@@ -382,22 +361,23 @@ class LayerWiseMuon(Muon):
         is not stepped.
 
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient on any rank, or a non-finite mean
-                gradient: on every rank, before anything is written (parameters, state and ``.grad`` are
-                bitwise unchanged).
+            ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
+                anything is written (parameters, state and ``.grad`` are bitwise unchanged).
+            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
+                naming the parameter, before anything is written.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sumsq, finite = self._reduce()
-        if not finite:
+        total, bad = self._reduce()
+        self.found_inf = bad is not None
+        if bad is not None:
             self._mean_grads = None
-            raise ValueError("LayerWiseMuon.step: the mean gradient holds inf or NaN (on every rank); skip this "
-                             "step (see the loss scaler); nothing was changed")
-        norm = math.sqrt(sumsq)
-        self.last_grad_norm = torch.tensor(norm, dtype=torch.float64)
-        self._apply(_clip_coefficient(norm, self.max_grad_norm))
+            raise nonfinite_error("LayerWiseMuon", bad, self._params[bad])
+        norm = math.sqrt(total)
+        self.last_grad_norm = norm
+        self._apply(clip_coefficient(norm, self.max_grad_norm))
         return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
@@ -410,7 +390,7 @@ class LayerWiseMuon(Muon):
         local = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                      for k, v in self.state[p].items()}
                  for i, p in enumerate(self._params) if self.owners[i] == self.rank and p in self.state}
-        gathered = _consolidate(self, local, to)
+        gathered = consolidate(self, local, to)
         if gathered is None:
             self._consolidated = None
             return
@@ -418,18 +398,20 @@ class LayerWiseMuon(Muon):
         for part in gathered:
             state.update(part)
         plain = super().state_dict()  # param_groups with indices in param-group order
-        self._consolidated = {"state": {i: state[i] for i in sorted(state)}, "param_groups": plain["param_groups"]}
+        self._consolidated = {"state": {i: state[i] for i in sorted(state)}, "param_groups": plain["param_groups"],
+                              "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to: the plain
         ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups":
-        [...]}``, parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
-        :class:`optbook.optim.Muon` over the same parameters and into a LayerWiseMuon at any world size.
+        [...]}``, parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``
+        (which ``torch.optim`` ignores). It loads into a single-process :class:`optbook.optim.Muon` over the
+        same parameters and into a LayerWiseMuon at any world size.
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        return _consolidated_state(self)
+        return consolidated_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain Muon state dict (from :meth:`state_dict` at any world size, or from
@@ -437,443 +419,57 @@ class LayerWiseMuon(Muon):
         collective: call it on every rank with the same dict.
 
         Raises:
-            ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts differ), or
-                a momentum buffer whose shape is not its parameter's; before anything is loaded.
+            TypeError, ValueError: the whole dict is validated first (``check_muon_state_dict`` of
+                :mod:`optbook.distributed._muon_common`: group and parameter counts, hyperparameters, state
+                keys, momentum shapes -- a checkpoint of another model or optimizer is refused); nothing is
+                loaded then.
         """
-        _check_muon_state_dict(state_dict, self._params)
-        super().load_state_dict(state_dict)
+        skipped = check_muon_state_dict(state_dict, self)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for i, p in enumerate(self._params):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
+        self.skipped_steps = skipped
         self._consolidated = None
 
-
-def _check_muon_state_dict(state_dict, params) -> None:
-    """A plain Muon state dict whose momentum buffers have their parameters' shapes (the group and parameter
-    counts are checked by ``torch.optim.Optimizer.load_state_dict``)."""
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups'")
-    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    if len(ids) == len(params):
-        for saved_id, p in zip(ids, params):
-            buf = state_dict["state"].get(saved_id, {}).get("momentum_buffer")
-            if isinstance(buf, torch.Tensor) and buf.shape != p.shape:
-                raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has shape "
-                                 f"{tuple(buf.shape)}, the parameter {tuple(p.shape)}")
-
-
-def _consolidated_state(opt) -> dict:
-    """``opt._consolidated``, or a RuntimeError saying how to get it."""
-    if opt._consolidated is None:
-        raise RuntimeError(f"{type(opt).__name__}.state_dict: nothing consolidated on rank {opt.rank}; call "
-                           "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
-    return opt._consolidated
-
-
-def _consolidate(opt, local, to: int):
-    """Gather ``local`` (picklable, per rank) on group rank ``to``; the list of every rank's, or None elsewhere."""
-    to = _check_int("to", to, 0)
-    if to >= opt.world_size:
-        raise ValueError(f"Invalid to: expected a rank in 0 .. {opt.world_size - 1}, got {to}")
-    gathered = [None] * opt.world_size if opt.rank == to else None
-    dist.gather_object(local, gathered, dst=global_rank(opt.process_group, to), group=opt.process_group)
-    return gathered
-
-
-# --- Moonlight: ZeRO-1 shards, gather the full matrix -------------------------------------------------------
-class DistributedMuon(Muon):
-    """Moonlight's distributed Muon (Liu et al. 2025, Algorithm 1): ZeRO-1 element shards, each matrix
-    gathered whole for Newton–Schulz (module docstring).
-
-    Args:
-        params: 2-D float32 or float64 tensors (or param-group dicts), as :class:`optbook.optim.Muon`; the
-            same on every rank (broadcast from the group's rank 0 at construction). float16/bfloat16
-            parameters are refused (their float32 masters are not implemented here; keep float32 weights).
-        process_group: the data-parallel group (``None``: WORLD).
-        gather_dtype: dtype of the momentum gather (``torch.bfloat16`` as Moonlight; ``torch.float64`` or the
-            parameters' dtype for an exact comparison with single-process Muon).
-        max_grad_norm: clip the mean gradient by its global norm before the momentum (``None``: no clip).
-        bucket_size, param_alignment, bucket_alignment: the ZeRO-1 layout, :func:`optbook.distributed.shard_layout`.
-        **muon_defaults: as :class:`optbook.optim.Muon`.
-
-    One step, per bucket of the layout (a collective)::
-
-        all_reduce([failing rank + 1, has_grad...], MAX)       every rank raises together on bad input
-        g_r = reduce_scatter(flat gradients, SUM) / d            this rank's element shard of the mean
-        all_reduce([sum of squares of g_r, non-finite], SUM)     one global norm; every rank skips together
-        M_r <- lerp(M_r, c g_r, 1 - mu); D_r (Nesterov)          momentum on the shard only (c: the clip)
-        D = all_gather(D_r in gather_dtype)                      the full momentum-updated matrices
-        O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.muon's arithmetic
-        W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
-        W = all_gather(W_r)                                      as ZeRO-1
-
-    A teaching implementation: the flat parameter and gradient buffers are copies (the parameters are not
-    views of them, as in ``DistributedOptimizer``), and every rank orthogonalises each matrix it holds a piece
-    of (a matrix cut by a shard boundary is orthogonalised on every rank that holds a piece of it).
-
-    Attributes:
-        layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
-        state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
-            parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
-        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
-            :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
-        last_grad_norm: the global norm of the mean gradient at the last step (0-dim float64 tensor).
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError, TypeError: what :class:`optbook.optim.Muon` raises; float16/bfloat16 parameters; bad
-            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks. :meth:`step`: an
-            invalid input or non-finite mean gradient on any rank raises on every rank, nothing written.
-    """
-
-    def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
-                 max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
-                 bucket_alignment: int = 128, **muon_defaults):
-        group, rank, world_size = group_info(process_group)
-        if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
-        max_grad_norm = _check_max_grad_norm(max_grad_norm)
-        super().__init__(params, **muon_defaults)
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in enumerate(all_params):
-            if p.dtype in _LOW_PRECISION:
-                raise ValueError(f"Invalid params: parameter {i} is {p.dtype}; DistributedMuon steps float32 or "
-                                 "float64 parameters (keep float32 weights and compute in low precision)")
-        devices = {p.device for p in all_params}
-        if len(devices) > 1:
-            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
-        layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
-                              bucket_alignment=bucket_alignment)
-        check_same_params(all_params, group, world_size, "DistributedMuon")
-        self.process_group, self.rank, self.world_size = group, rank, world_size
-        self.gather_dtype, self.max_grad_norm = gather_dtype, max_grad_norm
-        self.layout, self.pieces = layout, layout.pieces(rank)
-        self._params = all_params
-        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self.device = next(iter(devices)) if devices else torch.device("cpu")
-        self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
-        self.last_grad_norm: torch.Tensor | None = None
-        self._consolidated: dict | None = None
-        with torch.no_grad():
-            self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
-                                  for d, n in layout.buffer_numel.items()}
-            self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
-                                 for d, n in layout.buffer_numel.items()}
-            src = global_rank(group, 0)
-            for p in all_params:
-                if p.numel():
-                    dist.broadcast(p.data, src=src, group=group)
-            self._params_to_buffers()
-
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "layout", None) is not None:
-            raise NotImplementedError("DistributedMuon.add_param_group: the layout is fixed at construction")
-        super().add_param_group(param_group)
-
-    @property
-    def momentum_shard(self) -> dict[int, torch.Tensor]:
-        """``{param index: this rank's 1-D momentum piece}`` (the same tensors as ``state[p]["momentum_shard"]``)."""
-        return {i: self.state[p]["momentum_shard"] for i, p in enumerate(self._params)
-                if p in self.state and "momentum_shard" in self.state[p]}
-
-    def _params_to_buffers(self) -> None:
-        for r, p in zip(self.layout.params, self._params):
-            self.param_buffers[r.dtype][r.start:r.end].copy_(p.detach().reshape(-1))
-
-    def _shard(self, buffers: dict, b: int) -> torch.Tensor:
-        bucket = self.layout.buckets[b]
-        lo, hi = bucket.shard(self.rank)
-        return buffers[bucket.dtype][lo:hi]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One distributed Muon step (a collective; the class docstring's sequence).
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the state, for one checkpoint file per rank. Not a collective.
 
         Returns:
-            The closure's loss, or ``None``.
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "owners", "params": [(shape, dtype name)] in
+            param-group order, "state": {index: {"momentum_buffer": CPU tensor}} for the matrices this rank
+            owns, "param_groups": as :meth:`state_dict`, "skipped_steps"}``.
+        """
+        plain = super().state_dict()
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+                "state": {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in plain["state"].items()},
+                "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
+
+    def _plain_from_shards(self, shards) -> dict:
+        """The plain Muon dict that :meth:`load_sharded_state_dict` loads, after every check that does not
+        need it loaded (format, ranks, owners, parameter shapes and dtypes). Writes nothing."""
+        parts = shard_parts(shards, self, SHARDED_FORMAT, "owners", list(self.owners))
+        state = {}
+        for sd in parts:
+            state.update(sd["state"])
+        return {"state": state, "param_groups": parts[0]["param_groups"], "skipped_steps": parts[0]["skipped_steps"]}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files. Not a collective.
+
+        Args:
+            shards: **this rank's own** dict (saved by the same rank at the same world size and assignment),
+                or the list of **every** rank's dicts of one save at any world size (resharding).
 
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient on any rank, or a non-finite mean
-                gradient: on every rank, before anything is written.
+            TypeError, ValueError: not dicts of this format; a file of another rank, world size or
+                assignment (the message says to pass the list); files saved for other parameter shapes or
+                dtypes (naming the first); what :meth:`load_state_dict` raises. All before anything is loaded.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        has_grad = validate_on_every_rank(self, "DistributedMuon")
-        self._consolidated = None
-        # 1. reduce-scatter the flat gradients, mean
-        for buf in self.grad_buffers.values():
-            buf.zero_()
-        for r, p in zip(self.layout.params, self._params):
-            if p.grad is not None and r.numel:
-                self.grad_buffers[r.dtype][r.start:r.end].copy_(p.grad.reshape(-1))
-        shards = []
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.numel:
-                shard = self._shard(self.grad_buffers, b)
-                _reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
-                                group=self.process_group)
-                self.comm_bytes["reduce_scatter"] += _nbytes(bucket.numel, bucket.dtype)
-                shard.div_(self.world_size)
-                shards.append(shard)
-        # 2. one global norm and one non-finite flag
-        stats = torch.tensor([_sumsq(shards), 0.0 if not shards or all_finite(shards) else 1.0],
-                             dtype=torch.float64, device=self.device)
-        dist.all_reduce(stats, group=self.process_group)
-        self.comm_bytes["control"] += 16
-        if stats[1] > 0:
-            raise ValueError("DistributedMuon.step: the mean gradient holds inf or NaN (on every rank); skip this "
-                             "step; nothing was changed")
-        norm = math.sqrt(float(stats[0]))
-        self.last_grad_norm = torch.tensor(norm, dtype=torch.float64)
-        coef = _clip_coefficient(norm, self.max_grad_norm)
-        _scale_(shards, coef)
-        # 3. momentum on this rank's pieces; the directions into a gather buffer
-        groups = [self._read_floats(g) for g in self.param_groups]
-        directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
-                      for d, n in self.layout.buffer_numel.items()}
-        for piece in self.pieces:
-            if not has_grad[piece.index]:
-                continue
-            r = self.layout.params[piece.index]
-            g = groups[self._group_of[piece.index]]
-            grad = self.grad_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
-            state = self.state[self._params[piece.index]]
-            if "momentum_shard" not in state:
-                state["momentum_shard"] = torch.zeros_like(grad)
-            m = state["momentum_shard"]
-            (d,) = momentum_directions([m], [grad], g["momentum"], g["nesterov"])
-            directions[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel].copy_(d)
-        # 4. gather the full matrices
-        for bucket in self.layout.buckets:
-            if bucket.numel:
-                lo, hi = bucket.shard(self.rank)
-                _all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
-                            group=self.process_group)
-                self.comm_bytes["gather"] += _nbytes(bucket.numel, self.gather_dtype)
-        # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
-        for gi, g in enumerate(groups):
-            mine = [p for p in self.pieces if self._group_of[p.index] == gi and has_grad[p.index]]
-            if not mine:
-                continue
-            full = []
-            for piece in mine:
-                r = self.layout.params[piece.index]
-                full.append(directions[r.dtype][r.start:r.end].view(r.shape).to(r.dtype))
-            updates = _scaled_orthogonal(full, g)
-            for piece, upd in zip(mine, updates):
-                r = self.layout.params[piece.index]
-                w = self.param_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
-                w.mul_(1 - g["lr"] * g["weight_decay"])
-                w.sub_(upd.reshape(-1)[piece.param_start:piece.param_end], alpha=g["lr"])
-        # 6. all-gather the parameters, back into the model
-        for b, bucket in enumerate(self.layout.buckets):
-            if bucket.numel:
-                _all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
-                            self._shard(self.param_buffers, b), group=self.process_group)
-                self.comm_bytes["all_gather"] += _nbytes(bucket.numel, bucket.dtype)
-        for r, p in zip(self.layout.params, self._params):
-            if r.numel:
-                p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
-        return loss
-
-    # --- checkpoints ------------------------------------------------------------------------------------
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's momentum pieces on group rank ``to`` and assemble whole momentum matrices (a
-        collective), for :meth:`state_dict`. The result is dropped at the next :meth:`step`.
-
-        Raises:
-            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
-        """
-        local = [(piece.index, piece.param_start, piece.param_end,
-                  self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
-                 for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
-        gathered = _consolidate(self, local, to)
-        if gathered is None:
-            self._consolidated = None
-            return
-        buffers: dict[int, torch.Tensor] = {}
-        for part in gathered:
-            for index, start, end, m in part:
-                buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
-        plain = super().state_dict()  # param_groups with indices in param-group order
-        self._consolidated = {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)}
-                                        for i in sorted(buffers)},
-                              "param_groups": plain["param_groups"]}
-
-    def state_dict(self) -> dict:
-        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
-        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
-        parameters numbered in param-group order, tensors on the CPU). It loads into a single-process
-        :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
-        DistributedMuon at any world size.
-
-        Raises:
-            RuntimeError: not consolidated on this rank since the last step.
-        """
-        return _consolidated_state(self)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
-        :meth:`LayerWiseMuon.state_dict` or from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its
-        pieces of the momentum. Not a collective: call it on every rank with the same dict.
-
-        Raises:
-            TypeError, ValueError: as :meth:`torch.optim.Optimizer.load_state_dict` (group or parameter counts
-                differ), or a momentum buffer whose shape is not its parameter's; before anything is loaded.
-        """
-        _check_muon_state_dict(state_dict, self._params)
-        super().load_state_dict(state_dict)
-        full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
-                if "momentum_buffer" in self.state.get(p, {})}
-        self.state.clear()
-        for piece in self.pieces:
-            if piece.index in full:
-                flat = full[piece.index].reshape(-1)[piece.param_start:piece.param_end]
-                self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
-        self._consolidated = None
+        self.load_state_dict(self._plain_from_shards(shards))
 
 
-def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
-    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
-    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
-    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
-    out = [torch.zeros_like(d) for d in directions]
-    bufs = [torch.zeros_like(d) for d in directions]
-    hyper = {**_hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
-    muon(out, directions, bufs, **hyper)
-    return [o.neg_() for o in out]
-
-
-def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None) -> dict:
-    """Bytes one ZeRO-1 step moves for ``layout`` (:func:`optbook.distributed.shard_layout`), by the
-    module docstring's convention: a reduce-scatter of every bucket in its gradient dtype (``grad_dtype``,
-    default: float32 for float16/bfloat16 buckets, else the bucket's dtype, as ``DistributedOptimizer``) and
-    an all-gather of every bucket in its parameter dtype. With ``gather_dtype``, also Moonlight's gather of
-    the momentum-updated buckets in that dtype (:class:`DistributedMuon`).
-
-    Returns:
-        ``{"reduce_scatter": int, "all_gather": int, "gather": int (0 without gather_dtype), "total": int}``.
-    """
-    out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
-    for b in layout.buckets:
-        gd = grad_dtype or (torch.float32 if b.dtype in _LOW_PRECISION else b.dtype)
-        out["reduce_scatter"] += _nbytes(b.numel, gd)
-        out["all_gather"] += _nbytes(b.numel, b.dtype)
-        if gather_dtype is not None:
-            out["gather"] += _nbytes(b.numel, gather_dtype)
-    out["total"] = out["reduce_scatter"] + out["all_gather"] + out["gather"]
-    return out
-
-
-# --- one global norm for a Muon member and a ZeRO-1 AdamW member ---------------------------------------------
-class DistributedChain(torch.optim.Optimizer):
-    """A :class:`LayerWiseMuon` (matrices) and a ZeRO-1 ``DistributedOptimizer`` (AdamW for the rest) as one
-    optimizer whose clip uses **one** global norm of the mean raw gradients of both.
-
-    The norm is ``sqrt(S_muon + S_adamw)``: ``S_muon`` is the sum of squares of the all-reduced (replicated)
-    Muon gradients, computed once on every rank with no further communication; ``S_adamw`` sums the
-    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.step(extra_grad_sumsq=
-    S_muon)``). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
-    that of the gradients, not of the orthogonalised updates (whose norm is fixed by Newton–Schulz and would
-    make clipping meaningless). Without ``max_grad_norm`` the norm is still computed (``last_grad_norm``).
-
-    Args:
-        muon: a :class:`LayerWiseMuon` with ``max_grad_norm=None``.
-        adamw: an ``optbook.distributed.DistributedOptimizer`` on the same process group, with
-            ``max_grad_norm=None`` and no loss scaler.
-        max_grad_norm: ``None`` or a number ``> 0``.
-
-    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both.
-    Checkpoint each member (``consolidate_state_dict`` then ``state_dict`` on each).
-
-    Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
-    raises), AdamW reduce-scatters, clips by the shared norm and steps its shards, then Muon clips by the
-    same coefficient, steps the owned matrices and all-gathers. If AdamW raises, Muon has written nothing.
-
-    Raises:
-        TypeError: a member of the wrong type.
-        ValueError: a member with its own ``max_grad_norm`` or a loss scaler, different process groups, or a
-            bad ``max_grad_norm``.
-    """
-
-    def __init__(self, muon: LayerWiseMuon, adamw, max_grad_norm=None):
-        from .zero1 import DistributedOptimizer
-
-        if not isinstance(muon, LayerWiseMuon):
-            raise TypeError(f"Invalid muon: expected a LayerWiseMuon, got {type(muon).__name__}")
-        if not isinstance(adamw, DistributedOptimizer):
-            raise TypeError(f"Invalid adamw: expected an optbook.distributed.DistributedOptimizer, got "
-                            f"{type(adamw).__name__}")
-        if muon.max_grad_norm is not None or adamw.max_grad_norm is not None:
-            raise ValueError("Invalid members: build both with max_grad_norm=None; the chain clips by the one "
-                             "global norm (pass max_grad_norm to DistributedChain)")
-        if adamw.loss_scaler is not None:
-            raise ValueError("Invalid adamw: a loss scaler is not supported in a DistributedChain")
-        if muon.process_group is not adamw.process_group:
-            raise ValueError("Invalid members: they must use the same process group object")
-        self.muon, self.adamw = muon, adamw
-        self.optimizers = [muon, adamw]
-        self.max_grad_norm = _check_max_grad_norm(max_grad_norm)
-        self.last_grad_norm: torch.Tensor | None = None
-        self.defaults = {**adamw.defaults, **muon.defaults}
-        self.state = {}  # the members keep their own (sharded) state
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.muon.param_groups + self.adamw.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        raise AttributeError("DistributedChain.param_groups is the members' groups")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One chained step (a collective; class docstring).
-
-        Returns:
-            ``True`` when applied (``DistributedOptimizer.step``'s return: ``False`` never happens without a
-            loss scaler).
-
-        Raises:
-            ValueError, TypeError: invalid input on any rank, or a non-finite Muon gradient: every rank
-                raises, nothing written by either member.
-        """
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        sumsq, finite = self.muon._reduce()
-        if not finite:
-            self.muon._mean_grads = None
-            raise ValueError("DistributedChain.step: a Muon parameter's mean gradient holds inf or NaN (on every "
-                             "rank); nothing was changed")
-        saved = self.adamw.max_grad_norm
-        self.adamw.max_grad_norm = self.max_grad_norm
-        try:
-            applied = self.adamw.step(extra_grad_sumsq=sumsq)
-        except BaseException:
-            self.muon._mean_grads = None
-            raise
-        finally:
-            self.adamw.max_grad_norm = saved
-        self.last_grad_norm = self.adamw.last_grad_norm
-        if not applied:
-            self.muon._mean_grads = None
-            return False
-        self.muon.last_grad_norm = self.last_grad_norm
-        self.muon._apply(_clip_coefficient(float(self.last_grad_norm), self.max_grad_norm))
-        return True
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none=set_to_none)
-        self.adamw.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        raise NotImplementedError("DistributedChain: checkpoint each member (consolidate_state_dict, state_dict)")
-
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("DistributedChain: load each member's state dict")
+#: The ``"format"`` entry of :meth:`LayerWiseMuon.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.LayerWiseMuon.sharded/1"

@@ -1,27 +1,24 @@
-"""Functions run on every rank by :func:`optbook.distributed.launch` for chapter 14 and
-``tests/test_layerwise_muon.py`` (distributed Muon). Each takes ``(rank, world_size, ...)`` and returns
-picklable values; the single-process references are here too, so notebook and tests use the same problem.
+"""Functions run on every rank by :func:`optbook.distributed.launch` for chapter 14 (distributed Muon). Each
+takes ``(rank, world_size, ...)`` and returns picklable values; the single-process references are here too,
+so the notebook and the tests (whose own rank programs are in ``tests/muon_rank_programs.py``) use the same
+problem.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from .workers import _set_grads, _spread_over_ranks
+from .workers import _spread_over_ranks
 
 __all__ = [
     "MUON_OPTIONS",
-    "MUON_SUITE_GROUPS",
     "chain_problem",
     "chain_reference",
     "chain_train",
     "chapter_transformer",
-    "layerwise_bad_input",
-    "layerwise_raise_mid_run",
     "layerwise_train",
     "moonlight_train",
     "muon_chapter",
@@ -29,17 +26,20 @@ __all__ = [
     "muon_mean_grads",
     "muon_problem",
     "muon_reference",
-    "muon_suite",
+    "set_grads",
     "tp_modes",
     "transformer_comm",
 ]
 
-#: The process groups of :func:`muon_suite` on 4 processes: world size -> global ranks.
-MUON_SUITE_GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
-
 #: Muon hyperparameters of the equivalence runs: float64 Newton–Schulz, so differences are rounding only.
 MUON_OPTIONS = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_dtype": torch.float64}
 MOONLIGHT_LAYOUT = {"param_alignment": 1, "bucket_alignment": 4}  # small alignments: matrices cut across ranks
+
+
+def set_grads(params, grads) -> None:
+    """``p.grad = g.clone()`` (or ``None``) for each pair."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -87,7 +87,7 @@ def muon_reference(steps: int = 4, seed: int = 0) -> list[torch.Tensor]:
     params, groups = muon_problem(seed)
     opt = Muon(groups, **MUON_OPTIONS)
     for t in range(steps):
-        _set_grads(params, muon_mean_grads(params, t, seed))
+        set_grads(params, muon_mean_grads(params, t, seed))
         opt.step()
     return [p.detach().clone() for p in params]
 
@@ -106,7 +106,7 @@ def layerwise_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
     params, groups = muon_problem(seed)
     opt = LayerWiseMuon(groups, process_group=group, assignment=assignment, **MUON_OPTIONS)
     for t in range(steps):
-        _set_grads(params, muon_grads(params, t, rank, world_size, seed))
+        set_grads(params, muon_grads(params, t, rank, world_size, seed))
         opt.step()
     opt.consolidate_state_dict(to=world_size - 1)
     checkpoint = opt.state_dict() if rank == world_size - 1 else None
@@ -133,7 +133,7 @@ def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
     opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, **MOONLIGHT_LAYOUT,
                           **MUON_OPTIONS)
     for t in range(steps):
-        _set_grads(params, muon_grads(params, t, rank, world_size, seed))
+        set_grads(params, muon_grads(params, t, rank, world_size, seed))
         opt.step()
     opt.consolidate_state_dict(to=world_size - 1)
     checkpoint = opt.state_dict() if rank == world_size - 1 else None
@@ -188,8 +188,8 @@ def chain_reference(steps: int = 3, seed: int = 0) -> dict:
     norms = []
     for t in range(steps):
         mg, og = _chain_mean_grads(matrices, others, t, seed)
-        _set_grads(matrices, mg)
-        _set_grads(others, og)
+        set_grads(matrices, mg)
+        set_grads(others, og)
         chain.step()
         norms.append(float(chain.last_grad_norm))
     return {"params": [p.detach().clone() for p in matrices + others], "norms": norms}
@@ -212,14 +212,14 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     norms = []
     for t in range(steps):
         mg, og = _chain_rank_grads(matrices, others, t, rank, world_size, seed)
-        _set_grads(matrices, mg)
-        _set_grads(others, og)
+        set_grads(matrices, mg)
+        set_grads(others, og)
         chain.step()
         norms.append(float(chain.last_grad_norm))
     fresh_m, fresh_o = chain_problem(seed)
     mg, og = _chain_mean_grads(fresh_m, fresh_o, 0, seed)
-    _set_grads(fresh_m, mg)
-    _set_grads(fresh_o, og)
+    set_grads(fresh_m, mg)
+    set_grads(fresh_o, og)
     # one scheduler drives both members; constructor errors
     sched = torch.optim.lr_scheduler.LambdaLR(chain, lambda s: 0.5 ** s)
     with warnings.catch_warnings():  # stepped before any optimizer step on purpose: only the lr is read
@@ -238,184 +238,6 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
             errors[name] = (type(e).__name__, str(e))
     return {"params": [p.detach().clone() for p in matrices + others], "norms": norms,
             "raw_norm_check": float(get_grad_norm(fresh_m + fresh_o)), "lrs": lrs, "errors": errors}
-
-
-# --- bad input and failures -----------------------------------------------------------------------------------
-def _snapshot(opt, params) -> list[torch.Tensor]:
-    out = [p.detach().clone() for p in params]
-    for s in opt.state.values():
-        out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _bitwise(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "layerwise") -> dict:
-    """Bad input on one rank or on all, for LayerWiseMuon (``kind="layerwise"``) or DistributedMuon
-    (``"moonlight"``): after two good steps, (1) the last rank passes a sparse gradient, (2) rank 0
-    alone sets ``lr = -1``, (3) the last rank's gradient holds a NaN, (4) every rank sets ``momentum = 1.5``.
-    Every rank must raise with nothing written; then a good step runs. Also constructor errors.
-
-    Returns:
-        ``{"errors": [(type, message) or None per case], "untouched": [bool per case], "grads_untouched": bool,
-        "after": parameters after the final good step, "constructor_errors": {case: (type, message)}}``.
-    """
-    from ._ranks import global_rank
-    from .layerwise_muon import DistributedMuon, LayerWiseMuon
-
-    cls = LayerWiseMuon if kind == "layerwise" else DistributedMuon
-    extra = {} if kind == "layerwise" else {"gather_dtype": torch.float64, **MOONLIGHT_LAYOUT}
-    params, groups = muon_problem()
-    opt = cls(groups, process_group=group, **MUON_OPTIONS, **extra)
-    for t in range(2):
-        _set_grads(params, muon_grads(params, t, rank, world_size))
-        opt.step()
-    last = world_size - 1
-    good = muon_grads(params, 2, rank, world_size)
-    errors, untouched, grads_untouched = [], [], True
-    for what in ("sparse", "lr", "nan", "momentum"):
-        grads = [None if g is None else g.clone() for g in good]
-        if what == "sparse" and rank == last:
-            grads[0] = grads[0].to_sparse()
-        if what == "nan" and rank == last:
-            grads[2][0, 0] = float("nan")
-        saved = {k: opt.param_groups[0][k] for k in ("lr", "momentum")}
-        if what == "lr" and rank == 0:
-            opt.param_groups[0]["lr"] = -1.0
-        if what == "momentum":
-            opt.param_groups[0]["momentum"] = 1.5
-        _set_grads(params, grads)
-        before = _snapshot(opt, params)
-        grads_before = [None if p.grad is None else p.grad.clone() for p in params]
-        try:
-            opt.step()
-            errors.append(None)
-        except (TypeError, ValueError, RuntimeError) as e:
-            errors.append((type(e).__name__, str(e)))
-        opt.param_groups[0].update(saved)
-        untouched.append(_bitwise(before, _snapshot(opt, params)))
-        grads_untouched &= all((a is None and p.grad is None) or torch.equal(  # bit patterns: NaN == NaN
-            a.to_dense().view(torch.int64), p.grad.to_dense().view(torch.int64)) for a, p in zip(grads_before, params))
-    _set_grads(params, good)
-    opt.step()
-    checkpoint_errors = {}
-    try:
-        opt.state_dict()  # not consolidated since the last step
-        checkpoint_errors["not consolidated"] = None
-    except RuntimeError as e:
-        checkpoint_errors["not consolidated"] = (type(e).__name__, str(e))
-    opt.consolidate_state_dict(to=0)
-    saved = opt.state_dict() if rank == 0 else None
-    shared = [saved]
-    dist.broadcast_object_list(shared, src=global_rank(group, 0), group=group)
-    bad = copy.deepcopy(shared[0])
-    first = min(bad["state"])
-    bad["state"][first]["momentum_buffer"] = bad["state"][first]["momentum_buffer"].t()[:1]
-    before = _snapshot(opt, params)
-    try:
-        opt.load_state_dict(bad)
-        checkpoint_errors["shape"] = None
-    except (TypeError, ValueError) as e:
-        checkpoint_errors["shape"] = (type(e).__name__, str(e))
-    checkpoint_errors["untouched"] = _bitwise(before, _snapshot(opt, params))
-    constructor_errors = {}
-    cases = [("vector", lambda: cls([torch.zeros(3, dtype=torch.float64, requires_grad=True)], process_group=group)),
-             ("lr", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)], process_group=group,
-                                lr=-0.1)),
-             ("max_grad_norm", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)],
-                                           process_group=group, max_grad_norm=0.0)),
-             ("differs", lambda: cls([torch.zeros(2 + (rank == last), 2, dtype=torch.float64, requires_grad=True)],
-                                     process_group=group))]
-    if kind == "layerwise":
-        cases.append(("assignment", lambda: cls([torch.zeros(2, 2, requires_grad=True)], process_group=group,
-                                                assignment="random")))
-    else:
-        cases.append(("bfloat16", lambda: cls([torch.zeros(2, 2, dtype=torch.bfloat16, requires_grad=True)],
-                                              process_group=group)))
-    for name, make in cases:
-        try:
-            make()
-            constructor_errors[name] = None
-        except (TypeError, ValueError) as e:
-            constructor_errors[name] = (type(e).__name__, str(e))
-    return {"errors": errors, "untouched": untouched, "grads_untouched": grads_untouched,
-            "after": [p.detach().clone() for p in params], "constructor_errors": constructor_errors,
-            "checkpoint_errors": checkpoint_errors}
-
-
-def layerwise_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
-    """LayerWiseMuon on :func:`muon_problem`; rank ``bad_rank`` raises before its step ``at_step`` while the
-    others enter the step's collectives: :func:`optbook.distributed.launch` must fail fast, not hang."""
-    from .layerwise_muon import LayerWiseMuon
-
-    params, groups = muon_problem()
-    opt = LayerWiseMuon(groups, **MUON_OPTIONS)
-    for t in range(4):
-        if t == at_step and rank == bad_rank:
-            raise RuntimeError(f"rank {rank} fails on purpose at step {t}")
-        _set_grads(params, muon_grads(params, t, rank, world_size))
-        opt.step()
-    return rank
-
-
-def muon_suite(rank: int, world_size: int) -> dict:
-    """Every multi-process check of ``tests/test_layerwise_muon.py`` in one launch of 4 processes, on groups of
-    2, 3 and 4 of them (:data:`MUON_SUITE_GROUPS`; the smaller groups do not start at global rank 0).
-
-    Returns:
-        ``{size: report or None}``; a report is ``{"layerwise", "round_robin", "moonlight", "chain",
-        "bad_layerwise", "bad_moonlight", "resumed", "resumed_moonlight", "tp_rows", "tp_cols"}`` (the results
-        of the functions above, :func:`tp_modes` on a ``(96, 48)`` matrix split by rows and by columns;
-        ``"resumed"`` / ``"resumed_moonlight"``: the parameters after 2 more steps of a LayerWiseMuon /
-        DistributedMuon that loaded the previous group's checkpoint of the same kind, or None for the first
-        group).
-    """
-    if world_size != 4:
-        raise ValueError(f"Invalid world_size: muon_suite runs on 4 processes, got {world_size}")
-    torch.set_num_threads(1)
-    groups = {size: dist.new_group(ranks) for size, ranks in MUON_SUITE_GROUPS.items()}
-    out, resume = {}, None
-    for size, ranks in MUON_SUITE_GROUPS.items():
-        report = None
-        if rank in ranks:
-            g, r = groups[size], ranks.index(rank)
-            report = {"layerwise": layerwise_train(r, size, group=g),
-                      "round_robin": layerwise_train(r, size, group=g, assignment="round_robin"),
-                      "moonlight": moonlight_train(r, size, group=g),
-                      "chain": chain_train(r, size, group=g),
-                      "bad_layerwise": layerwise_bad_input(r, size, group=g),
-                      "bad_moonlight": layerwise_bad_input(r, size, group=g, kind="moonlight"),
-                      "resumed": None if resume is None else _resume(r, size, g, resume[0]),
-                      "resumed_moonlight": None if resume is None else _resume(r, size, g, resume[1], "moonlight"),
-                      "tp_rows": tp_modes(r, size, shape=(96, 48), partition_dim=0, group=g),
-                      "tp_cols": tp_modes(r, size, shape=(96, 48), partition_dim=1, group=g)}
-        shared = [None if report is None else (report["layerwise"]["checkpoint"], report["moonlight"]["checkpoint"])]
-        dist.broadcast_object_list(shared, src=ranks[-1])
-        resume, out[size] = shared[0], report
-    return out
-
-
-def _resume(rank, world_size, group, checkpoint, kind: str = "layerwise", seed: int = 0) -> list[torch.Tensor]:
-    """Continue :func:`layerwise_train` (``kind="layerwise"``) or :func:`moonlight_train` (``"moonlight"``),
-    4 steps done, from ``checkpoint`` for steps 4 and 5."""
-    from .layerwise_muon import DistributedMuon, LayerWiseMuon
-
-    params = muon_reference(4, seed)
-    _, groups = muon_problem(seed)
-    fresh = [p.clone().requires_grad_() for p in params]
-    groups = [{**g, "params": fresh[:5] if i == 0 else fresh[5:]} for i, g in enumerate(groups)]
-    if kind == "layerwise":
-        opt = LayerWiseMuon(groups, process_group=group, **MUON_OPTIONS)
-    else:
-        opt = DistributedMuon(groups, process_group=group, gather_dtype=torch.float64, **MOONLIGHT_LAYOUT,
-                              **MUON_OPTIONS)
-    opt.load_state_dict(checkpoint)
-    for t in (4, 5):
-        _set_grads(fresh, muon_grads(fresh, t, rank, world_size, seed))
-        opt.step()
-    return [p.detach().clone() for p in fresh]
 
 
 # --- chapter 14 ------------------------------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Collective-call names and dtype rules shared by the distributed optimizers of :mod:`optbook.distributed`.
+
+Private to the package; the names here are its internal interface (ZeRO-1 and the Muon wrappers import
+them, neither imports the other's private names).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..optim._validation import check_int
+
+__all__ = ["LOW_PRECISION", "all_gather", "check_int", "reduce_scatter"]
+
+#: Parameter dtypes that get float32 masters and float32 gradient buffers.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
+#: ``all_gather(output, input, group=)``: every rank's ``input`` concatenated into ``output``.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: ``reduce_scatter(output, input, group=)``: rank ``r`` receives the SUM of the ranks' ``input`` chunk ``r``.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,165 @@
+"""What LayerWiseMuon and DistributedMuon share: the Muon hyperparameters of a group, byte counting, the
+non-finite error, and the checkpoint helpers (consolidation on one rank, the plain Muon state-dict check).
+
+Private to :mod:`optbook.distributed`; the names here are its internal interface.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ..contract import NonFiniteGradientError
+from ..optim import muon
+from ..optim._validation import check_int, check_number
+from ..optim.optimizer import all_finite
+from ._ranks import global_rank, params_difference
+
+__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
+           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "shard_parts"]
+
+#: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
+MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
+
+
+def check_max_grad_norm(value):
+    return None if value is None else check_number("max_grad_norm", value, low=0.0, low_open=True)
+
+
+def hyper(group: dict) -> dict:
+    return {k: group[k] for k in MUON_KEYS if k in group}
+
+
+def nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+
+def check_muon_state_dict(state_dict, opt) -> int:
+    """Validate a plain Muon state dict for ``opt`` (a LayerWiseMuon or DistributedMuon) without writing
+    anything, as ``torch.optim.Optimizer.load_state_dict`` would load it; return its ``skipped_steps``
+    (``opt.skipped_steps`` when the dict has none: dicts saved before the entry existed).
+
+    Checked: a dict with ``state`` and ``param_groups``; the number of groups and of parameters per group;
+    each group's hyperparameters (Muon's checks; a key Muon's groups do not have, e.g. AdamW's ``betas``,
+    is refused); every state entry belongs to a listed parameter and holds only a floating-point
+    ``momentum_buffer`` of its parameter's shape; ``skipped_steps`` an int ``>= 0``.
+
+    Raises:
+        TypeError, ValueError: the first problem found, naming the group, parameter or key.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from state_dict() "
+                        "or optbook.optim.Muon.state_dict())")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, dict):
+        raise TypeError("Invalid state_dict: 'param_groups' must be a list and 'state' a dict")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(opt.param_groups)}")
+    param_of = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise TypeError(f"Invalid state_dict: param group {gi} is not a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} parameters, this "
+                             f"optimizer's has {len(group['params'])}")
+        unknown = sorted(set(saved) - set(group))
+        if unknown:
+            raise ValueError(f"Invalid state_dict: param group {gi} has the key(s) {unknown}, which Muon's groups "
+                             "do not have (a checkpoint of another optimizer?)")
+        opt._check_hyperparameters({**group, **{k: v for k, v in saved.items() if k != "params"}})
+        param_of.update(zip(saved["params"], group["params"]))
+    for saved_id, entry in saved_state.items():
+        p = param_of.get(saved_id)
+        if p is None:
+            raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group lists")
+        if not isinstance(entry, dict) or set(entry) - {"momentum_buffer"}:
+            keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(f"Invalid state_dict: state[{saved_id!r}] holds {keys}; Muon keeps only "
+                             "'momentum_buffer' (a checkpoint of another optimizer?)")
+        buf = entry.get("momentum_buffer")
+        if buf is not None and (not isinstance(buf, torch.Tensor) or not buf.is_floating_point()
+                                or buf.shape != p.shape):
+            what = (f"shape {tuple(buf.shape)}, dtype {buf.dtype}" if isinstance(buf, torch.Tensor)
+                    else type(buf).__name__)
+            raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has {what}; the "
+                             f"parameter has shape {tuple(p.shape)} (a checkpoint of another model?)")
+    return check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", opt.skipped_steps), 0)
+
+
+def first_nonfinite(tensors) -> int | None:
+    """The index of the first tensor of ``tensors`` (``None`` entries skipped) holding ``inf`` or ``NaN``,
+    or ``None``; one device synchronisation when all are finite."""
+    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel()]
+    if not present or all_finite([t for _, t in present]):
+        return None
+    return next(i for i, t in present if not bool(torch.isfinite(t).all()))
+
+
+def nonfinite_error(who: str, index: int, param: torch.Tensor) -> NonFiniteGradientError:
+    """The error of a step whose mean gradient of parameter ``index`` (param-group order) is not finite."""
+    return NonFiniteGradientError(f"{who}.step: the mean gradient of parameter {index} (shape "
+                                  f"{tuple(param.shape)}) holds inf or NaN, on every rank; nothing was changed "
+                                  "(without a loss scaler a non-finite gradient is an error: find its cause)")
+
+
+def consolidated_state(opt) -> dict:
+    """``opt._consolidated``, or a RuntimeError saying how to get it."""
+    if opt._consolidated is None:
+        raise RuntimeError(f"{type(opt).__name__}.state_dict: nothing consolidated on rank {opt.rank}; call "
+                           "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
+    return opt._consolidated
+
+
+def consolidate(opt, local, to: int):
+    """Gather ``local`` (picklable, per rank) on group rank ``to``; the list of every rank's, or None elsewhere."""
+    to = check_int("to", to, 0)
+    if to >= opt.world_size:
+        raise ValueError(f"Invalid to: expected a rank in 0 .. {opt.world_size - 1}, got {to}")
+    gathered = [None] * opt.world_size if opt.rank == to else None
+    dist.gather_object(local, gathered, dst=global_rank(opt.process_group, to), group=opt.process_group)
+    return gathered
+
+
+def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
+    """Check sharded checkpoint files for ``opt`` without loading anything; return them as a list.
+
+    Args:
+        shards: this rank's own dict, or the list of every rank's dicts of one save (any world size).
+        opt: the LayerWiseMuon or DistributedMuon loading them (its ``_params``, ``rank``, ``world_size``).
+        fmt: the ``"format"`` entry the files must have.
+        layout_key, layout: the entry saying which part of the state a file holds (``"owners"`` of
+            LayerWiseMuon, ``"pieces"`` ranges of DistributedMuon) and this rank's value of it: an own file
+            must match it (same world size, rank and layout), else the list of all files is needed.
+
+    Raises:
+        TypeError: not dicts of format ``fmt``.
+        ValueError: a file saved for other parameter shapes or dtypes (naming the first that differs); an own
+            file of another rank, world size or layout (saying to pass the list); a list that is not ranks
+            ``0 .. W - 1`` of one save.
+    """
+    who = type(opt).__name__
+    parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+    if not parts or any(not isinstance(sd, dict) or sd.get("format") != fmt for sd in parts):
+        raise TypeError(f"Invalid shards: expected this rank's dict from {who}.sharded_state_dict() (format "
+                        f"{fmt!r}) or a list of every rank's")
+    mine = [(tuple(p.shape), str(p.dtype)) for p in opt._params]
+    for k, sd in enumerate(parts):
+        difference = params_difference([mine, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+        if difference is not None:
+            where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
+            raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
+                             f"model?): {where}")
+    if isinstance(shards, dict):
+        if (shards["world_size"], shards["rank"], shards[layout_key]) != (opt.world_size, opt.rank, layout):
+            raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                             f"{shards['world_size']} (or with another {layout_key}), this is rank {opt.rank} of "
+                             f"{opt.world_size}; to reshard, pass the list of every rank's file of that save")
+    else:
+        size = parts[0]["world_size"]
+        if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size for sd in parts):
+            raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
+    return parts

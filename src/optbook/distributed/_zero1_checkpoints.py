@@ -1,0 +1,354 @@
+"""ZeRO-1 checkpoints: consolidated (the plain ``torch.optim`` layout) and sharded (one file per rank).
+Explained in chapter 13.
+
+Consolidated (:meth:`~optbook.distributed.DistributedOptimizer.consolidate_state_dict`, then ``state_dict()``
+on one rank): loadable at any world size and into a single-process optimizer. Sharded
+(:meth:`~optbook.distributed.DistributedOptimizer.sharded_state_dict`, one file per rank, no communication):
+each rank's pieces of m, v and the masters, with the piece boundaries as layout metadata;
+:meth:`~optbook.distributed.DistributedOptimizer.load_sharded_state_dict` takes the rank's own file (same world
+size) or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
+Every load validates the whole dict before it writes anything.
+
+:class:`Zero1Checkpoints` holds these methods for :class:`~optbook.distributed.DistributedOptimizer` (its only
+user): they read the optimizer's ``layout``, ``pieces``, ``optimizer`` (the inner optimizer over the pieces),
+``master_shards``, ``loss_scaler``, ``skipped_steps`` and its parameter views.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import LOW_PRECISION, check_int
+
+__all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
+
+#: The ``"format"`` entry of :meth:`DistributedOptimizer.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.DistributedOptimizer.sharded/1"
+
+
+class Zero1Checkpoints:
+    """The checkpoint methods of :class:`~optbook.distributed.DistributedOptimizer` (a mixin)."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on group rank ``to`` (a collective), for :meth:`state_dict`.
+
+        Every rank sends its pieces' state (moved to the CPU) with ``torch.distributed.gather_object``; rank
+        ``to`` assembles it. The result is dropped at the next :meth:`step`.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not an int in ``0 .. world_size - 1`` (on every rank, before any
+                communication).
+        """
+        to = check_int("to", to, 0)
+        if to >= self.world_size:
+            raise ValueError(f"Invalid to: expected a rank in 0 .. {self.world_size - 1}, got {to}")
+        local = self._local_pieces()
+        gathered = [None] * self.world_size if self.rank == to else None
+        world = self.process_group is dist.group.WORLD
+        dst = to if world else dist.get_global_rank(self.process_group, to)
+        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        self._consolidated = self._assemble(gathered) if self.rank == to else None
+
+    def _local_pieces(self) -> list[tuple]:
+        """``(index, param_start, param_end, state, master or None)`` per piece of this rank, on the CPU."""
+        local = []
+        for piece, target in zip(self.pieces, self._piece_params):
+            state = self.optimizer.state.get(target, {})
+            state = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                     for k, v in state.items()}
+            master = target.detach().cpu().clone() if piece.bucket in self.master_shards else None
+            local.append((piece.index, piece.param_start, piece.param_end, state, master))
+        return local
+
+    def _assemble(self, gathered: list) -> dict:
+        flat_state: dict[int, dict] = {}
+        masters: dict[int, torch.Tensor] = {}
+        for pieces in gathered:
+            for index, s, e, state, master in pieces:
+                r = self.layout.params[index]
+                entry = flat_state.setdefault(index, {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.shape == (e - s,):  # element-wise state
+                        entry.setdefault(key, torch.zeros(r.numel, dtype=value.dtype))[s:e] = value
+                    else:
+                        entry[key] = value  # the same on every piece (a step count)
+                if master is not None:
+                    masters.setdefault(index, torch.zeros(r.numel, dtype=master.dtype))[s:e] = master
+        for r in self.layout.params:  # every low-precision parameter has a master (zero elements included)
+            if r.dtype in LOW_PRECISION:
+                masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
+        state = {}
+        for index in sorted(flat_state):
+            if flat_state[index]:
+                shape = self.layout.params[index].shape
+                state[index] = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
+                                    and v.numel() == self.layout.params[index].numel else v)
+                                for k, v in flat_state[index].items()}
+        param_groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            param_groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                                 "params": list(range(i, i + n))})
+            i += n
+        return {"state": state, "param_groups": param_groups,
+                "master_params": {k: v.view(self.layout.params[k].shape) for k, v in sorted(masters.items())},
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict:
+        """The consolidated state on the rank that :meth:`consolidate_state_dict` sent it to.
+
+        Returns:
+            The plain ``torch.optim`` layout -- ``{"state": {index: {"step": ..., "exp_avg": tensor of the
+            parameter's shape, ...}}, "param_groups": [{hyperparameters..., "params": [indices]}]}`` with
+            parameters numbered in param-group order (as ``torch.optim``, also when groups interleave
+            relative to ``model.parameters()``), state tensors on the CPU in the masters' dtype -- plus
+            ``"master_params"`` (``{index: float32 tensor}`` for float16/bfloat16 parameters),
+            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores.
+            It loads into the single-process ``optimizer_class`` (e.g. ``torch.optim.AdamW``) over the same
+            parameters, and into a DistributedOptimizer at any world size.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; "
+                               "call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
+                               "on that rank")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from the
+        single-process ``optimizer_class`` over the same parameters). Not a collective: call it on every
+        rank with the same dict; each rank keeps its own pieces.
+
+        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); ``master_params``,
+        when present, become the masters and are rounded into the model parameters; ``loss_scaler`` and
+        ``skipped_steps``, when present, are restored.
+
+        Raises:
+            TypeError, ValueError: not a dict with ``state`` and ``param_groups``; another number of groups or
+                of parameters per group; a state tensor or master whose shape differs from its parameter's; a
+                loss-scaler state without a scaler, or one the scaler refuses. All found before anything is
+                loaded.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from "
+                            "DistributedOptimizer.state_dict() or a torch.optim optimizer's state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"Invalid state_dict: it has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
+        index_of, i = {}, 0
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
+            for saved_id in saved["params"]:
+                index_of[saved_id] = i
+                i += 1
+        owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        kinds = [self._state_kinds({k: v for k, v in g.items() if k != "params"}) for g in saved_groups]
+        state: dict[int, dict] = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in index_of:
+                raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
+                                 "lists")
+            index = index_of[saved_id]
+            self._check_state_entry(f"state[{saved_id!r}]", entry, kinds[owner_group[index]], index)
+            state[index] = entry
+        masters = {}
+        for saved_id, value in (state_dict.get("master_params") or {}).items():
+            index = index_of.get(saved_id)
+            if (index is None or not isinstance(value, torch.Tensor)
+                    or value.shape != self.layout.params[index].shape):
+                raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a "
+                                 "parameter's shape")
+            masters[index] = value
+        scaler_state = state_dict.get("loss_scaler")
+        if scaler_state is not None:
+            if self.loss_scaler is None:
+                raise ValueError("Invalid state_dict: it holds a loss scaler state, but this optimizer has "
+                                 "no loss_scaler")
+            copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)  # refuses before any write
+        skipped = state_dict.get("skipped_steps", self.skipped_steps)
+        skipped = check_int("state_dict['skipped_steps']", skipped, 0)
+
+        # The inner optimizer's own state dict: this rank's pieces, numbered in its group order.
+        inner_state, inner_groups, k = {}, [], 0
+        pieces_of_group: list[list[int]] = [[] for _ in self.param_groups]
+        for n, piece in enumerate(self.pieces):
+            pieces_of_group[owner_group[piece.index]].append(n)
+        order = [n for ns in pieces_of_group for n in ns]
+        for gi, ns in enumerate(pieces_of_group):
+            hyper = {key: v for key, v in saved_groups[gi].items() if key != "params"}
+            inner_groups.append({**hyper, "params": list(range(k, k + len(ns)))})
+            k += len(ns)
+        for k, n in enumerate(order):
+            piece = self.pieces[n]
+            if piece.index in state:
+                elementwise = kinds[owner_group[piece.index]]
+                inner_state[k] = {key: (v.reshape(-1)[piece.param_start:piece.param_end].clone()
+                                        if elementwise[key] else copy.deepcopy(v))
+                                  for key, v in state[piece.index].items()}
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for gi, group in enumerate(self.param_groups):
+            group.update(copy.deepcopy({key: v for key, v in saved_groups[gi].items() if key != "params"}))
+        if scaler_state is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
+        self.skipped_steps = skipped
+        with torch.no_grad():
+            for index, value in masters.items():
+                self._param_view(index).copy_(value.reshape(-1))  # every rank rounds the whole master
+            for piece, target in zip(self.pieces, self._piece_params):
+                if piece.index in masters:
+                    target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
+        self._consolidated = None
+        # The model's parameters now agree with the loaded masters (or are the masters' own storage); a
+        # weights-only reload made before this load is superseded by it.
+        self._versions.record(self._params)
+
+    def _state_kinds(self, hyper: dict) -> dict:
+        """``{state key: element-wise?}`` of the inner optimizer's per-parameter state under the group
+        hyperparameters ``hyper``: read from one step of ``optimizer_class`` on a 2-element tensor with a zero
+        gradient (element-wise entries are tensors of that tensor's shape; a step count is not). A 0-dim
+        parameter's state cannot tell the two apart by shape, so the class is asked."""
+        probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+        probe.grad = torch.zeros(2, dtype=torch.float32)
+        try:
+            opt = type(self.optimizer)([{**hyper, "params": [probe]}], **self._class_kwargs)
+            opt.step()
+        except (TypeError, ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"Invalid state_dict: its param_groups hyperparameters are refused by "
+                             f"{type(self.optimizer).__name__}: {e}") from e
+        return {k: isinstance(v, torch.Tensor) and v.shape == probe.shape for k, v in opt.state[probe].items()}
+
+    def _check_state_entry(self, where: str, entry, kinds: dict, index: int) -> None:
+        """``entry`` must hold exactly the inner optimizer's state keys, element-wise ones as floating-point
+        tensors of parameter ``index``'s shape, the others as numbers or one-element tensors."""
+        shape = self.layout.params[index].shape
+        if not isinstance(entry, dict):
+            raise TypeError(f"Invalid state_dict: {where} is a {type(entry).__name__}, expected a dict")
+        if set(entry) != set(kinds):
+            raise ValueError(f"Invalid state_dict: {where} has the keys {sorted(entry)}, "
+                             f"{type(self.optimizer).__name__} keeps {sorted(kinds)} (a state dict of another "
+                             "optimizer or of another model)")
+        for key, value in entry.items():
+            if kinds[key]:
+                if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+                        or tuple(value.shape) != shape):
+                    what = (f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                            else type(value).__name__)
+                    raise ValueError(f"Invalid state_dict: {where}[{key!r}] is {what}, expected a "
+                                     f"floating-point tensor of its parameter's shape {shape} (a state dict "
+                                     "of another model?)")
+            elif isinstance(value, torch.Tensor) and value.numel() > 1:
+                raise ValueError(f"Invalid state_dict: {where}[{key!r}] has shape {tuple(value.shape)}, "
+                                 "expected a number (a state dict of another optimizer?)")
+
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the optimizer state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in
+            param-group order, "pieces": [(index, param_start, param_end, state, master)], "param_groups",
+            "loss_scaler", "skipped_steps"}``: for each piece this rank owns, elements ``param_start ..
+            param_end - 1`` of the flattened parameter ``index``, its inner-optimizer state (element-wise
+            tensors such as ``exp_avg``, ``exp_avg_sq`` of the piece's length; the step count) and its
+            float32 master (``None`` for a float32/float64 parameter, which is its own master). Tensors are
+            CPU copies; only plain types, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip
+            it. Padding is not stored. The model's parameters are not included: save them separately (they
+            are the same on every rank, e.g. ``model.state_dict()`` on rank 0).
+        """
+        groups, i = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                           "params": list(range(i, i + n))})
+            i += n
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "params": [(tuple(r.shape), str(r.dtype)) for r in self.layout.params],
+                "pieces": self._local_pieces(), "param_groups": groups,
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load sharded checkpoints from :meth:`sharded_state_dict`. Not a collective.
+
+        Args:
+            shards: either **this rank's own** dict (saved by the rank of the same number at the same world
+                size and layout: the fast path, each rank reads one file), or a list of **every** rank's
+                dict of one save, at any world size (each rank reads all files and keeps the elements its
+                own pieces cover: resharding). Either way the run continues exactly as the uninterrupted
+                one (bitwise: the state is copied, not recomputed).
+
+        With the list, float16/bfloat16 masters are also rounded into the model parameters (as
+        :meth:`load_state_dict`); with one dict only this rank's masters are restored and the model
+        parameters must come from the model checkpoint (they are the rounded masters).
+
+        Raises:
+            TypeError: ``shards`` is neither a dict nor a list/tuple of dicts of this format.
+            ValueError: one dict saved at another world size, or by another rank, or with other pieces
+                (another ``bucket_size`` or alignment) -- the message names both sides and says to pass all
+                files to reshard; a list that is not exactly ranks ``0 .. W - 1`` of one save at world size
+                ``W``; parameters of other shapes or dtypes (naming the first); what
+                :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        if isinstance(shards, dict):
+            self._check_sharded(shards, "shards")
+            own = [(p.index, p.param_start, p.param_end) for p in self.pieces]
+            saved = [tuple(p[:3]) for p in shards["pieces"]]
+            if shards["world_size"] != self.world_size or shards["rank"] != self.rank or saved != own:
+                what = (f"world size {shards['world_size']}, this group has {self.world_size}"
+                        if shards["world_size"] != self.world_size else
+                        f"rank {shards['rank']}, this is rank {self.rank}" if shards["rank"] != self.rank
+                        else "other pieces (another bucket_size or alignment)")
+                raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                                 f"{shards['world_size']}: {what}; to reshard, pass the list of all "
+                                 f"{shards['world_size']} files of that save")
+            consolidated = self._assemble([shards["pieces"]])
+            whole = False
+            meta = shards
+        elif isinstance(shards, (list, tuple)) and shards:
+            for k, sd in enumerate(shards):
+                self._check_sharded(sd, f"shards[{k}]")
+            sizes = sorted({sd["world_size"] for sd in shards})
+            ranks = sorted(sd["rank"] for sd in shards)
+            if len(sizes) != 1 or ranks != list(range(sizes[0])):
+                raise ValueError(f"Invalid shards: expected the files of ranks 0 .. W - 1 of one save at "
+                                 f"world size W, got ranks {ranks} saved at world sizes {sizes}")
+            ordered = sorted(shards, key=lambda sd: sd["rank"])
+            consolidated = self._assemble([sd["pieces"] for sd in ordered])
+            whole = True
+            meta = ordered[0]
+        else:
+            raise TypeError(f"Invalid shards: expected this rank's dict from sharded_state_dict() or a list of "
+                            f"every rank's, got {type(shards).__name__}")
+        consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta.get("loss_scaler"),
+                            skipped_steps=meta.get("skipped_steps", self.skipped_steps))
+        if whole:
+            self.load_state_dict(consolidated)
+            return
+        consolidated["master_params"] = {}  # other ranks' parts are absent: restore only this rank's below
+        self.load_state_dict(consolidated)
+        with torch.no_grad():  # the pieces equal the saved ones (checked above)
+            for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
+                if master is not None:
+                    target.copy_(master)
+
+    def _check_sharded(self, sd, name: str) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT:
+            raise TypeError(f"Invalid {name}: expected a dict from DistributedOptimizer.sharded_state_dict() "
+                            f"(format {SHARDED_FORMAT!r}), got {type(sd).__name__}")
+        mine = [(tuple(r.shape), str(r.dtype)) for r in self.layout.params]
+        theirs = [(tuple(shape), dtype) for shape, dtype in sd["params"]]
+        if len(theirs) != len(mine):
+            raise ValueError(f"Invalid {name}: it holds {len(theirs)} parameters, this optimizer has {len(mine)}")
+        for i, (a, b) in enumerate(zip(theirs, mine)):
+            if a != b:
+                raise ValueError(f"Invalid {name}: parameter {i} was saved with shape and dtype {a}, this "
+                                 f"optimizer's is {b}")

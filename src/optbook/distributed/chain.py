@@ -1,0 +1,217 @@
+"""One global gradient norm for a distributed Muon member and a ZeRO-1 AdamW member. Chapter 14.
+
+The clip of a chained optimizer must use the norm of **all** the mean raw gradients (Pascanu et al. 2013,
+section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every member,
+``megatron/core/optimizer/optimizer.py``), not of the orthogonalised updates, whose norm Newton–Schulz fixes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..clipping import clip_coefficient
+from ..contract import NonFiniteGradientError
+from ..optim._validation import check_int
+from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
+
+if TYPE_CHECKING:
+    from .layerwise_muon import LayerWiseMuon
+
+__all__ = ["DistributedChain"]
+
+
+class DistributedChain(torch.optim.Optimizer):
+    """A :class:`LayerWiseMuon` (matrices) and a ZeRO-1 ``DistributedOptimizer`` (AdamW for the rest) as one
+    optimizer whose clip uses **one** global norm of the mean raw gradients of both.
+
+    The norm is ``sqrt(S_muon + S_adamw)``: ``S_muon`` is the sum of squares of the all-reduced (replicated)
+    Muon gradients, computed once on every rank with no further communication; ``S_adamw`` sums the
+    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.step(extra_grad_sumsq=
+    S_muon)``). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
+    that of the gradients, not of the orthogonalised updates (whose norm is fixed by Newton–Schulz and would
+    make clipping meaningless). Without ``max_grad_norm`` the norm is still computed (``last_grad_norm``).
+
+    Args:
+        muon: a :class:`LayerWiseMuon` with ``max_grad_norm=None``.
+        adamw: an ``optbook.distributed.DistributedOptimizer`` on the same process group, with
+            ``max_grad_norm=None`` and no loss scaler.
+        max_grad_norm: ``None`` or a number ``> 0``.
+
+    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both.
+    Checkpoints: :meth:`consolidate_state_dict` (a collective) then :meth:`state_dict` on the receiving rank
+    gives ``{"muon": ..., "adamw": ..., "skipped_steps": ...}``; :meth:`load_state_dict` validates both
+    members' dicts before either loads.
+
+    Non-finite gradients (the step contract, :mod:`optbook.contract`): there is no loss scaler, so a mean
+    gradient holding ``inf`` or ``NaN`` in either member makes :meth:`step` raise
+    :class:`optbook.contract.NonFiniteGradientError` on every rank before either member writes anything.
+    Attributes ``found_inf`` (the last step found one), ``skipped_steps`` (always 0 here; in the state dict)
+    and ``last_grad_norm`` (the global norm before clipping, float).
+
+    Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
+    raises), AdamW reduce-scatters, clips by the shared norm and steps its shards, then Muon clips by the
+    same coefficient, steps the owned matrices and all-gathers. If AdamW raises, Muon has written nothing.
+    Parameters of any shape, 0-dim ones included, go to the AdamW member (Muon refuses all but 2-D).
+
+    Raises:
+        TypeError: a member of the wrong type.
+        ValueError: a member with its own ``max_grad_norm`` or a loss scaler, different process groups, or a
+            bad ``max_grad_norm``.
+    """
+
+    def __init__(self, muon: LayerWiseMuon, adamw, max_grad_norm=None):
+        from .layerwise_muon import LayerWiseMuon  # here: layerwise_muon re-exports this module's class
+        from .zero1 import DistributedOptimizer
+
+        if not isinstance(muon, LayerWiseMuon):
+            raise TypeError(f"Invalid muon: expected a LayerWiseMuon, got {type(muon).__name__}")
+        if not isinstance(adamw, DistributedOptimizer):
+            raise TypeError(f"Invalid adamw: expected an optbook.distributed.DistributedOptimizer, got "
+                            f"{type(adamw).__name__}")
+        if muon.max_grad_norm is not None or adamw.max_grad_norm is not None:
+            raise ValueError("Invalid members: build both with max_grad_norm=None; the chain clips by the one "
+                             "global norm (pass max_grad_norm to DistributedChain)")
+        if adamw.loss_scaler is not None:
+            raise ValueError("Invalid adamw: a loss scaler is not supported in a DistributedChain")
+        if muon.process_group is not adamw.process_group:
+            raise ValueError("Invalid members: they must use the same process group object")
+        self.muon, self.adamw = muon, adamw
+        self.optimizers = [muon, adamw]
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
+        self.defaults = {**adamw.defaults, **muon.defaults}
+        self.state = {}  # the members keep their own (sharded) state
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        raise AttributeError("DistributedChain.param_groups is the members' groups")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One chained step (a collective; class docstring).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError, TypeError: invalid input on any rank: every rank raises, nothing written by either
+                member.
+            optbook.contract.NonFiniteGradientError: a mean gradient of either member holds ``inf`` or
+                ``NaN``: every rank raises, nothing written by either member.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        total, bad = self.muon._reduce()
+        self.found_inf = bad is not None
+        if bad is not None:
+            self.muon._mean_grads = None
+            raise nonfinite_error("DistributedChain (Muon member)", bad, self.muon._params[bad])
+        saved_norm, saved_skipped = self.adamw.max_grad_norm, self.adamw.skipped_steps
+        self.adamw.max_grad_norm = self.max_grad_norm
+        try:
+            self.adamw.step(extra_grad_sumsq=total)
+        except NonFiniteGradientError as e:  # a DistributedOptimizer that raises itself (nothing written)
+            self.muon._mean_grads = None
+            self.found_inf = True
+            raise NonFiniteGradientError(f"DistributedChain (AdamW member): {e}") from e
+        except BaseException:
+            self.muon._mean_grads = None
+            raise
+        finally:
+            self.adamw.max_grad_norm = saved_norm
+        if self.adamw.found_inf:  # a DistributedOptimizer that skipped (it wrote nothing): here it is an error
+            self.muon._mean_grads = None
+            self.adamw.skipped_steps = saved_skipped
+            self.found_inf = True
+            raise NonFiniteGradientError("DistributedChain.step: a mean gradient of the AdamW member holds inf or "
+                                         "NaN, on every rank; nothing was changed (without a loss scaler a "
+                                         "non-finite gradient is an error: find its cause)")
+        self.last_grad_norm = float(self.adamw.last_grad_norm)
+        self.muon.last_grad_norm = self.last_grad_norm
+        self.muon._apply(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Both members' ``consolidate_state_dict(to)`` (a collective), for :meth:`state_dict` on rank ``to``.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        self.muon.consolidate_state_dict(to)
+        self.adamw.consolidate_state_dict(to)
+
+    def state_dict(self) -> dict:
+        """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
+        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` (any world size). Not a collective: call it on every rank with
+        the same dict. All or nothing: the Muon member's dict is validated (without loading), then the
+        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
+        the Muon member loads; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+
+        Raises:
+            TypeError, ValueError: not a dict with ``"muon"`` and ``"adamw"``; what either member's
+                ``load_state_dict`` raises (a checkpoint of another model is refused); nothing loaded.
+        """
+        if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
+            raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
+                            "DistributedChain.state_dict())")
+        skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
+        check_muon_state_dict(state_dict["muon"], self.muon)
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+        self.skipped_steps = skipped
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of both members' state, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"muon": LayerWiseMuon.sharded_state_dict(), "adamw": DistributedOptimizer.sharded_state_dict(),
+            "skipped_steps": int}``.
+        """
+        return {"muon": self.muon.sharded_state_dict(), "adamw": self.adamw.sharded_state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files: this rank's own dict, or the list of every rank's dicts of
+        one save (any world size). Not a collective. All or nothing, as :meth:`load_state_dict`: the Muon
+        parts are checked (without loading), then the ``DistributedOptimizer`` loads its parts (it checks
+        them all first), then the Muon member loads.
+
+        Raises:
+            TypeError, ValueError: not this format; what either member's sharded load raises (another rank,
+                world size or model); nothing loaded.
+        """
+        parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+        if not parts or any(not isinstance(sd, dict) or not {"muon", "adamw"} <= set(sd) for sd in parts):
+            raise TypeError("Invalid shards: expected this rank's dict from DistributedChain.sharded_state_dict() "
+                            "or a list of every rank's")
+        pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
+        skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
+        muon_plain = self.muon._plain_from_shards(pick("muon"))
+        check_muon_state_dict(muon_plain, self.muon)
+        self.adamw.load_sharded_state_dict(pick("adamw"))
+        self.muon.load_state_dict(muon_plain)
+        self.skipped_steps = skipped

@@ -1,0 +1,438 @@
+"""Moonlight's distributed Muon: ZeRO-1 element shards, each matrix gathered whole. Chapter 14.
+
+Liu et al. 2025, "Muon is Scalable for LLM Training" (arXiv:2502.16982, section 2.3 and Algorithm 1): the
+ZeRO-1 layout of :func:`optbook.distributed.shard_layout`; gradients reduce-scattered; the momentum kept for
+the local element shard only; each step the momentum-updated shards are all-gathered (in bfloat16 by
+default) into full matrices, each matrix is orthogonalised, and each rank keeps the part of the update that
+falls in its shard; parameters all-gathered as in ZeRO-1. It communicates one gather more than ZeRO-1 AdamW:
+:attr:`DistributedMuon.comm_bytes` counts it, :func:`zero1_comm_bytes` gives the formula (the byte-counting
+convention is :mod:`optbook.distributed.layerwise_muon`'s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
+from ..contract import VersionTracker, register_owner
+from ..optim import Muon, muon
+from ..optim._functional import momentum_directions
+from ..optim.optimizer import all_finite
+from ._collectives import LOW_PRECISION, all_gather, reduce_scatter
+from ._muon_common import (
+    check_max_grad_norm,
+    check_muon_state_dict,
+    consolidate,
+    consolidated_state,
+    first_nonfinite,
+    hyper,
+    nbytes,
+    nonfinite_error,
+    shard_parts,
+)
+from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from .zero1 import shard_layout
+
+__all__ = ["DistributedMuon", "zero1_comm_bytes"]
+
+
+class DistributedMuon(Muon):
+    """Moonlight's distributed Muon (Liu et al. 2025, Algorithm 1): ZeRO-1 element shards, each matrix
+    gathered whole for Newton–Schulz (module docstring).
+
+    Args:
+        params: 2-D float32 or float64 tensors (or param-group dicts), as :class:`optbook.optim.Muon`; the
+            same on every rank (broadcast from the group's rank 0 at construction). float16/bfloat16
+            parameters are refused (their float32 masters are not implemented here; keep float32 weights).
+        process_group: the data-parallel group (``None``: WORLD).
+        gather_dtype: dtype of the momentum gather (``torch.bfloat16`` as Moonlight; ``torch.float64`` or the
+            parameters' dtype for an exact comparison with single-process Muon).
+        max_grad_norm: clip the mean gradient by its global norm before the momentum (``None``: no clip).
+        bucket_size, param_alignment, bucket_alignment: the ZeRO-1 layout, :func:`optbook.distributed.shard_layout`.
+        **muon_defaults: as :class:`optbook.optim.Muon`.
+
+    One step, per bucket of the layout (a collective)::
+
+        all_reduce([failing rank + 1, has_grad...], MAX)       every rank raises together on bad input
+        g_r = reduce_scatter(flat gradients, SUM) / d            this rank's element shard of the mean
+        all_reduce([sum of squares of g_r, non-finite], SUM)     one global norm; every rank skips together
+        M_r <- lerp(M_r, c g_r, 1 - mu); D_r (Nesterov)          momentum on the shard only (c: the clip)
+        D = all_gather(D_r in gather_dtype)                      the full momentum-updated matrices
+        O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.muon's arithmetic
+        W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
+        W = all_gather(W_r)                                      as ZeRO-1
+
+    A teaching implementation: the flat parameter and gradient buffers are copies (the parameters are not
+    views of them, as in ``DistributedOptimizer``), and every rank orthogonalises each matrix it holds a piece
+    of (a matrix cut by a shard boundary is orthogonalised on every rank that holds a piece of it).
+
+    Attributes:
+        layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
+        state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
+            parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
+        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
+            :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
+        last_grad_norm: the global norm of the mean gradient at the last step, before clipping (float;
+            ``None`` before the first step).
+        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        skipped_steps: always 0 (no loss scaler to skip with); kept in the state dict.
+
+    Who owns the weights (:mod:`optbook.contract`): the flat parameter buffer is this optimizer's copy of the
+    weights, and this rank's shard of it is the truth its next step starts from, so the optimizer registers
+    as the owner of its parameters. At the start of :meth:`step` a parameter written from outside (a
+    weights-only ``model.load_state_dict``, an in-place edit under ``torch.no_grad()``) is copied into the
+    buffer first; :func:`optbook.contract.scale_weights_` (what :func:`optbook.qk_clip_` calls) scales the
+    buffer and rewrites the parameter from it (:meth:`_scale_weights_`). A write through ``p.data`` does not
+    move ``p._version`` and is not seen.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError, TypeError: what :class:`optbook.optim.Muon` raises; float16/bfloat16 parameters; bad
+            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks (naming the first and
+            the ranks). :meth:`step`: an invalid input on any rank raises on every rank, nothing written.
+        optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
+            (on every rank, naming the parameter, nothing written).
+    """
+
+    def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
+                 max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
+                 bucket_alignment: int = 128, **muon_defaults):
+        group, rank, world_size = group_info(process_group)
+        if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
+        super().__init__(params, **muon_defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(all_params):
+            if p.dtype in LOW_PRECISION:
+                raise ValueError(f"Invalid params: parameter {i} is {p.dtype}; DistributedMuon steps float32 or "
+                                 "float64 parameters (keep float32 weights and compute in low precision)")
+        devices = {p.device for p in all_params}
+        if len(devices) > 1:
+            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
+        layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
+                              bucket_alignment=bucket_alignment)
+        check_same_params(all_params, group, world_size, "DistributedMuon")
+        self.process_group, self.rank, self.world_size = group, rank, world_size
+        self.gather_dtype, self.max_grad_norm = gather_dtype, max_grad_norm
+        self.layout, self.pieces = layout, layout.pieces(rank)
+        self._params = all_params
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
+        self._consolidated: dict | None = None
+        self._index = {id(p): i for i, p in enumerate(all_params)}
+        self._versions = VersionTracker()
+        with torch.no_grad():
+            self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
+                                  for d, n in layout.buffer_numel.items()}
+            self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
+                                 for d, n in layout.buffer_numel.items()}
+            src = global_rank(group, 0)
+            for p in all_params:
+                if p.numel():
+                    dist.broadcast(p.data, src=src, group=group)
+            self._params_to_buffers()
+        self._versions.record(all_params)
+        register_owner(all_params, self)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "layout", None) is not None:
+            raise NotImplementedError("DistributedMuon.add_param_group: the layout is fixed at construction")
+        super().add_param_group(param_group)
+
+    @property
+    def momentum_shard(self) -> dict[int, torch.Tensor]:
+        """``{param index: this rank's 1-D momentum piece}`` (the same tensors as ``state[p]["momentum_shard"]``)."""
+        return {i: self.state[p]["momentum_shard"] for i, p in enumerate(self._params)
+                if p in self.state and "momentum_shard" in self.state[p]}
+
+    def _params_to_buffers(self, indices=None) -> None:
+        for i in range(len(self._params)) if indices is None else indices:
+            r = self.layout.params[i]
+            self.param_buffers[r.dtype][r.start:r.end].copy_(self._params[i].detach().reshape(-1))
+
+    def _take_up_outside_writes(self) -> None:
+        """Copy every parameter written since this optimizer's last write into the flat buffer (the step
+        contract's outside writes; host integers only, no device synchronisation)."""
+        changed = self._versions.changed(self._params)
+        if changed:
+            self._params_to_buffers(changed)
+            self._versions.record(self._params)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """Multiply ``param``'s weights by ``factor`` in the buffer the next step starts from and rewrite
+        ``param`` from it (called by :func:`optbook.contract.scale_weights_`). Collective in the contract's
+        sense: every rank must call it with the same factor (each rank scales its whole copy, so no message
+        is sent). The product is ``param``'s dtype times ``factor`` as ``param.mul_(factor)``, bit for bit.
+
+        Raises:
+            ValueError: ``param`` is not one of this optimizer's parameters, or ``factor`` is a tensor that
+                does not broadcast to ``param.shape`` (or sits on another device); nothing written.
+        """
+        i = self._index.get(id(param))
+        if i is None or self._params[i] is not param:
+            raise ValueError("Invalid param: not a parameter of this DistributedMuon")
+        if isinstance(factor, torch.Tensor) and not _broadcasts_to(factor, param):
+            raise ValueError(f"Invalid factor: shape {tuple(factor.shape)} on {factor.device} does not "
+                                 f"broadcast to parameter {i}'s shape {tuple(param.shape)} on {param.device}")
+        self._take_up_outside_writes()
+        r = self.layout.params[i]
+        weights = self.param_buffers[r.dtype][r.start:r.end].view(r.shape)
+        weights.mul_(factor)
+        param.copy_(weights)
+        self._versions.record([param])
+
+    def _shard(self, buffers: dict, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        lo, hi = bucket.shard(self.rank)
+        return buffers[bucket.dtype][lo:hi]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One distributed Muon step (a collective; the class docstring's sequence).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
+                anything is written.
+            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
+                naming the parameter, before anything is written.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._take_up_outside_writes()
+        has_grad = validate_on_every_rank(self, "DistributedMuon")
+        self._consolidated = None
+        # 1. reduce-scatter the flat gradients, mean
+        for buf in self.grad_buffers.values():
+            buf.zero_()
+        for r, p in zip(self.layout.params, self._params):
+            if p.grad is not None and r.numel:
+                self.grad_buffers[r.dtype][r.start:r.end].copy_(p.grad.reshape(-1))
+        shards = []
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                shard = self._shard(self.grad_buffers, b)
+                reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
+                                group=self.process_group)
+                self.comm_bytes["reduce_scatter"] += nbytes(bucket.numel, bucket.dtype)
+                shard.div_(self.world_size)
+                shards.append(shard)
+        # 2. one global norm and one non-finite flag
+        stats = torch.tensor([float(grad_sumsq(shards)), 0.0 if not shards or all_finite(shards) else 1.0],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(stats, group=self.process_group)
+        self.comm_bytes["control"] += 16
+        self.found_inf = bool(stats[1] > 0)
+        if self.found_inf:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
+            bad = first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
+                p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
+            first = torch.tensor([len(self._params) if bad is None else self.pieces[bad].index], device=self.device)
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.process_group)
+            index = int(first)
+            raise nonfinite_error("DistributedMuon", index, self._params[index])
+        norm = math.sqrt(float(stats[0]))
+        self.last_grad_norm = norm
+        coef = clip_coefficient(norm, self.max_grad_norm)
+        scale_grads_(shards, coef)
+        # 3. momentum on this rank's pieces; the directions into a gather buffer
+        groups = [self._read_floats(g) for g in self.param_groups]
+        directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
+                      for d, n in self.layout.buffer_numel.items()}
+        for piece in self.pieces:
+            if not has_grad[piece.index]:
+                continue
+            r = self.layout.params[piece.index]
+            g = groups[self._group_of[piece.index]]
+            grad = self.grad_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
+            state = self.state[self._params[piece.index]]
+            if "momentum_shard" not in state:
+                state["momentum_shard"] = torch.zeros_like(grad)
+            m = state["momentum_shard"]
+            (d,) = momentum_directions([m], [grad], g["momentum"], g["nesterov"])
+            directions[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel].copy_(d)
+        # 4. gather the full matrices
+        for bucket in self.layout.buckets:
+            if bucket.numel:
+                lo, hi = bucket.shard(self.rank)
+                all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
+                            group=self.process_group)
+                self.comm_bytes["gather"] += nbytes(bucket.numel, self.gather_dtype)
+        # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
+        for gi, g in enumerate(groups):
+            mine = [p for p in self.pieces if self._group_of[p.index] == gi and has_grad[p.index]]
+            if not mine:
+                continue
+            full = []
+            for piece in mine:
+                r = self.layout.params[piece.index]
+                full.append(directions[r.dtype][r.start:r.end].view(r.shape).to(r.dtype))
+            updates = _scaled_orthogonal(full, g)
+            for piece, upd in zip(mine, updates):
+                r = self.layout.params[piece.index]
+                w = self.param_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
+                w.mul_(1 - g["lr"] * g["weight_decay"])
+                w.sub_(upd.reshape(-1)[piece.param_start:piece.param_end], alpha=g["lr"])
+        # 6. all-gather the parameters, back into the model
+        for b, bucket in enumerate(self.layout.buckets):
+            if bucket.numel:
+                all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
+                            self._shard(self.param_buffers, b), group=self.process_group)
+                self.comm_bytes["all_gather"] += nbytes(bucket.numel, bucket.dtype)
+        for r, p in zip(self.layout.params, self._params):
+            if r.numel:
+                p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
+        self._versions.record(self._params)
+        return loss
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's momentum pieces on group rank ``to`` and assemble whole momentum matrices (a
+        collective), for :meth:`state_dict`. The result is dropped at the next :meth:`step`.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        gathered = consolidate(self, self._local_pieces(), to)
+        self._consolidated = None if gathered is None else self._assemble(gathered)
+
+    def _local_pieces(self) -> list[tuple]:
+        """``(index, param_start, param_end, momentum piece on the CPU)`` for each piece with momentum here."""
+        return [(piece.index, piece.param_start, piece.param_end,
+                 self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
+                for piece in self.pieces if "momentum_shard" in self.state.get(self._params[piece.index], {})]
+
+    def _assemble(self, parts) -> dict:
+        """The plain Muon dict whose momentum matrices are put together from the ranks' ``parts`` (lists of
+        :meth:`_local_pieces` tuples; elements no part covers are zero)."""
+        buffers: dict[int, torch.Tensor] = {}
+        for part in parts:
+            for index, start, end, m in part:
+                buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
+        plain = super().state_dict()  # param_groups with indices in param-group order
+        return {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)} for i in sorted(buffers)},
+                "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict:
+        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
+        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
+        parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
+        :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
+        DistributedMuon at any world size.
+
+        Raises:
+            RuntimeError: not consolidated on this rank since the last step.
+        """
+        return consolidated_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
+        :meth:`LayerWiseMuon.state_dict` or from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its
+        pieces of the momentum. Not a collective: call it on every rank with the same dict.
+
+        Raises:
+            TypeError, ValueError: the whole dict is validated first (group and parameter counts,
+                hyperparameters, state keys, momentum shapes: a checkpoint of another model or optimizer is
+                refused); nothing is loaded then.
+        """
+        skipped = check_muon_state_dict(state_dict, self)
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
+                if "momentum_buffer" in self.state.get(p, {})}
+        self.state.clear()
+        for piece in self.pieces:
+            if piece.index in full:
+                flat = full[piece.index].reshape(-1)[piece.param_start:piece.param_end]
+                self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
+        self.skipped_steps = skipped
+        self._consolidated = None
+
+    # --- sharded checkpoints: one file per rank --------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's momentum pieces, for one checkpoint file per rank. Not a collective.
+
+        Returns:
+            ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in param-group
+            order, "pieces": [(index, param_start, param_end)] of this rank, "momentum": [(index, param_start,
+            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps"}``.
+        """
+        plain = super().state_dict()
+        return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+                "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],
+                "momentum": self._local_pieces(), "param_groups": plain["param_groups"],
+                "skipped_steps": self.skipped_steps}
+
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load :meth:`sharded_state_dict` files. Not a collective.
+
+        Args:
+            shards: **this rank's own** dict (saved by the same rank at the same world size and layout), or
+                the list of **every** rank's dicts of one save at any world size (resharding).
+
+        Raises:
+            TypeError, ValueError: not dicts of this format; a file of another rank, world size or layout (the
+                message says to pass the list); files saved for other parameter shapes or dtypes (naming the
+                first); what :meth:`load_state_dict` raises. All before anything is loaded.
+        """
+        parts = shard_parts(shards, self, SHARDED_FORMAT, "pieces",
+                            [(p.index, p.param_start, p.param_end) for p in self.pieces])
+        plain = self._assemble([sd["momentum"] for sd in parts])
+        plain.update(param_groups=parts[0]["param_groups"], skipped_steps=parts[0]["skipped_steps"])
+        self.load_state_dict(plain)
+
+
+#: The ``"format"`` entry of :meth:`DistributedMuon.sharded_state_dict`.
+SHARDED_FORMAT = "optbook.DistributedMuon.sharded/1"
+
+
+def _broadcasts_to(factor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param.mul_(factor)`` keeps ``param``'s shape (and both are on one device)."""
+    try:
+        return factor.device == param.device and torch.broadcast_shapes(factor.shape, param.shape) == param.shape
+    except RuntimeError:
+        return False
+
+
+def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
+    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
+    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
+    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
+    out = [torch.zeros_like(d) for d in directions]
+    bufs = [torch.zeros_like(d) for d in directions]
+    options = {**hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+    muon(out, directions, bufs, **options)
+    return [o.neg_() for o in out]
+
+
+def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None) -> dict:
+    """Bytes one ZeRO-1 step moves for ``layout`` (:func:`optbook.distributed.shard_layout`), by the
+    module docstring's convention: a reduce-scatter of every bucket in its gradient dtype (``grad_dtype``,
+    default: float32 for float16/bfloat16 buckets, else the bucket's dtype, as ``DistributedOptimizer``) and
+    an all-gather of every bucket in its parameter dtype. With ``gather_dtype``, also Moonlight's gather of
+    the momentum-updated buckets in that dtype (:class:`DistributedMuon`).
+
+    Returns:
+        ``{"reduce_scatter": int, "all_gather": int, "gather": int (0 without gather_dtype), "total": int}``.
+    """
+    out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
+    for b in layout.buckets:
+        gd = grad_dtype or (torch.float32 if b.dtype in LOW_PRECISION else b.dtype)
+        out["reduce_scatter"] += nbytes(b.numel, gd)
+        out["all_gather"] += nbytes(b.numel, b.dtype)
+        if gather_dtype is not None:
+            out["gather"] += nbytes(b.numel, gather_dtype)
+    out["total"] = out["reduce_scatter"] + out["all_gather"] + out["gather"]
+    return out

@@ -1,0 +1,346 @@
+"""MixedPrecisionOptimizer under the step contract: it owns the masters (QK-clip and outside writes are kept),
+loads all-or-nothing, is a full torch.optim.Optimizer, and its loss scale stays in float32's range."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optbook import contract, qk_clip_
+from optbook.models import TinyTransformer
+from optbook.optim import SGD, AdamW, ChainedOptimizer, Muon
+from optbook.precision import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer,
+                               unscale_grads_)
+
+TAU = 5.0
+
+
+def loud_bf16_model(seed=0):
+    """A bfloat16 TinyTransformer whose attention logits exceed TAU in every head but head 0 of each layer."""
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size=16, d_model=32, n_layers=2, max_seq_len=16, n_heads=4)
+    with torch.no_grad():
+        for attn in model.attention_layers():
+            attn.q_proj.weight.mul_(60.0)
+            attn.k_proj.weight.mul_(60.0)
+            attn.q_proj.weight[: attn.d_head].mul_(0.01)
+    return model.to(torch.bfloat16)
+
+
+def tokens(k):
+    return torch.randint(0, 16, (4, 12), generator=torch.Generator().manual_seed(100 + k))
+
+
+def backward(model, opt, k):
+    model.train()
+    x = tokens(k)
+    logits = model(x[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+    opt.scale_loss(loss).backward()
+    return loss
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --- QK-clip and outside writes are not undone ------------------------------------------------------------
+
+def test_qk_clip_is_kept_by_the_next_step_with_lr_0():
+    model = loud_bf16_model()
+    opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=0.0, weight_decay=0.0))
+    backward(model, opt, 0)
+    before = model.max_logits().clone()
+    assert (before > TAU).any()
+    opt.step()
+    report = qk_clip_(model, tau=TAU)
+    assert report
+    clipped = params_of(model)
+    # the clip scaled the float32 masters; the model holds them rounded
+    masters = dict(zip((id(p) for p, _ in opt._pairs), opt.master_params()))
+    assert all(torch.equal(p.detach(), masters[id(p)].bfloat16()) for p in model.parameters())
+    opt.zero_grad()
+    backward(model, opt, 0)                 # the forward after the clip sees clipped logits
+    after_clip = model.max_logits().clone()
+    opt.step()                              # lr = 0: nothing may move, the clip included
+    assert same(params_of(model), clipped)
+    opt.zero_grad()
+    backward(model, opt, 0)
+    after_step = model.max_logits().clone()
+    assert torch.equal(after_step, after_clip)
+    # layer 0 sees the same input as before the clip: its heads are at most tau (layer 1's input moved)
+    assert after_step[0].max() <= TAU * (1 + 2**-6) < before[0].max()
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_resume_with_qk_clip_is_bit_identical(model_first):
+    def build(seed):
+        model = loud_bf16_model(seed)
+        opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                      DynamicLossScaler(initial_scale=2.0**8, growth_interval=2, hysteresis=2))
+        return model, opt
+
+    def run(model, opt, ks):
+        for k in ks:
+            opt.zero_grad()
+            backward(model, opt, k)
+            opt.step()
+            qk_clip_(model, tau=TAU)
+
+    model, opt = build(0)
+    run(model, opt, range(6))
+
+    model_a, opt_a = build(0)
+    run(model_a, opt_a, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "optimizer": opt_a.state_dict()}, buffer)
+    buffer.seek(0)
+    ckpt = torch.load(buffer)
+    model_b, opt_b = build(1)   # other initial weights: everything must come from the checkpoint
+    if model_first:
+        model_b.load_state_dict(ckpt["model"])
+        opt_b.load_state_dict(ckpt["optimizer"])
+    else:                       # the weights-only load after the optimizer's rewrites the same values
+        opt_b.load_state_dict(ckpt["optimizer"])
+        model_b.load_state_dict(ckpt["model"])
+    run(model_b, opt_b, range(3, 6))
+
+    assert same(params_of(model_b), params_of(model))
+    assert same(opt_b.master_params(), opt.master_params())
+    assert opt_b.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+
+
+def test_weights_loaded_after_construction_are_kept_by_the_step():
+    lin = torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(SGD(lin.parameters(), lr=0.5))
+    lin.load_state_dict({"weight": torch.full((2, 3), 5.0, dtype=torch.bfloat16)})
+    lin.weight.grad = torch.ones(2, 3, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(lin.weight.detach(), torch.full((2, 3), 4.5, dtype=torch.bfloat16))
+    assert torch.equal(opt.master_params()[0], torch.full((2, 3), 4.5))
+
+
+def test_an_in_place_edit_is_taken_up_element_by_element():
+    p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([p], lr=1e-3))
+    p.grad = torch.full((3,), -1.0, dtype=torch.bfloat16)
+    opt.step()                                      # master 1e-3, model 1e-3 rounded to bf16
+    master = opt.master_params()[0]
+    low_bits = master[0].item()
+    with torch.no_grad():
+        p[2] = 7.0                                  # an edit of one element
+    opt.step()
+    # untouched elements keep the master's low bits; the edited one starts from 7.0
+    assert master[0].item() == pytest.approx(low_bits + 1e-3, rel=1e-6) and master[1].item() == master[0].item()
+    assert master[2].item() == pytest.approx(7.0 + 1e-3, rel=1e-6)
+
+
+def test_scale_weights_goes_through_the_master():
+    p = torch.ones(2, 2, dtype=torch.bfloat16, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([p], lr=1e-3))
+    assert contract.owner_of(p) is opt
+    p.grad = torch.full((2, 2), -1.0, dtype=torch.bfloat16)
+    opt.step()
+    m = opt.master_params()[0].clone()
+    contract.scale_weights_(p, torch.tensor([[0.5], [1.0]]))
+    assert torch.equal(opt.master_params()[0], m * torch.tensor([[0.5], [1.0]]))
+    assert torch.equal(p.detach(), opt.master_params()[0].bfloat16())
+
+
+# --- loads are all-or-nothing ----------------------------------------------------------------------------------
+
+def _run_a_bit(params, opt, steps=2):
+    for k in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.1 * (i + k + 1))
+        opt.step()
+
+
+def _frozen(params, opt):
+    return ([p.detach().clone() for p in params], [m.detach().clone() for m in opt.master_params()],
+            copy.deepcopy(opt.optimizer.state_dict()), opt.skipped_steps)
+
+
+def _assert_frozen(params, opt, before):
+    after = _frozen(params, opt)
+    assert same(after[0], before[0]) and same(after[1], before[1]) and after[3] == before[3]
+    a, b = after[2], before[2]
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for k, v in a["state"][i].items():
+            w = b["state"][i][k]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w
+
+
+def _mp(shapes, dtype=torch.bfloat16, groups=1):
+    params = [torch.ones(s, dtype=dtype, requires_grad=True) for s in shapes]
+    spec = [{"params": params}] if groups == 1 else [{"params": params[:1]}, {"params": params[1:]}]
+    return params, MixedPrecisionOptimizer(AdamW(spec, lr=0.1, weight_decay=0.1))
+
+
+def _wrong_dtype(sd):
+    sd = copy.deepcopy(sd)
+    sd["optimizer"]["state"][0]["exp_avg"] = sd["optimizer"]["state"][0]["exp_avg"].long()
+    return sd
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("other, edit, match", [
+    (dict(shapes=[(3, 2), (3,)]), None, "shape"),                     # a model of other shapes
+    (dict(shapes=[(2, 3)]), None, "master parameters|has 1 parameters"),  # another parameter count
+    (dict(shapes=[(2, 3), (3,)], groups=2), None, "param_groups"),       # another group layout
+    (dict(shapes=[(2, 3), (3,)]), _wrong_dtype, "dtype torch.int64"),   # a state tensor of the wrong dtype
+])
+def test_a_load_that_does_not_fit_raises_before_anything_is_written(dtype, other, edit, match):
+    params, opt = _mp([(2, 3), (3,)], dtype)
+    _run_a_bit(params, opt)
+    src_params, src = _mp(other["shapes"], dtype, other.get("groups", 1))
+    _run_a_bit(src_params, src, 3)
+    sd = src.state_dict()
+    if edit is not None:
+        params_b, opt_b = _mp([(2, 3), (3,)], dtype)
+        _run_a_bit(params_b, opt_b, 3)
+        sd = edit(opt_b.state_dict())
+    before = _frozen(params, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    _assert_frozen(params, opt, before)
+    _run_a_bit(params, opt, 1)  # and it still steps: the step count is 3, not 4 of a half-loaded state
+    assert all(s["step"] == 3 for s in opt.state.values())
+
+
+def test_a_state_dict_without_skipped_steps_loads():
+    params, opt = _mp([(2,)])
+    _run_a_bit(params, opt)
+    sd = opt.state_dict()
+    del sd["skipped_steps"]
+    params2, opt2 = _mp([(2,)])
+    opt2.load_state_dict(sd)
+    assert opt2.skipped_steps == 0 and same(opt2.master_params(), opt.master_params())
+
+
+# --- a full torch.optim.Optimizer ------------------------------------------------------------------------------
+
+def test_state_dict_and_load_hooks_run():
+    params, opt = _mp([(2,)])
+    _run_a_bit(params, opt)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "note": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load-pre", sd.get("note"))))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    sd = opt.state_dict()
+    assert sd["note"] == 1 and calls == ["pre"]
+    opt.load_state_dict(sd)
+    assert calls == ["pre", ("load-pre", 1), "load-post"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_steps_like_the_original_and_owns_its_own_parameters(how):
+    params, opt = _mp([(2, 3), (3,)])
+    opt.loss_scaler = DynamicLossScaler(initial_scale=2.0**4)
+    _run_a_bit(params, opt)
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    twin_params = [p for p, _ in twin._pairs]
+    assert all(a is not b for a, b in zip(twin_params, params))
+    assert all(contract.owner_of(p) is twin for p in twin_params) and contract.owner_of(params[0]) is opt
+    _run_a_bit(params, opt, 2)
+    _run_a_bit(twin_params, twin, 2)
+    assert same([p.detach() for p in twin_params], [p.detach() for p in params])
+    assert same(twin.master_params(), opt.master_params())
+    assert twin.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+
+
+def test_add_param_group_over_a_chain_routes_to_the_named_member():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(4, 3, generator=g).bfloat16().requires_grad_()
+    v = torch.randn(3, generator=g).bfloat16().requires_grad_()
+    new = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)
+    chain = ChainedOptimizer([Muon([W], lr=0.02, ns_dtype=torch.float32), AdamW([v], lr=0.1, weight_decay=0.0)])
+    opt = MixedPrecisionOptimizer(chain)
+    with pytest.raises(ValueError, match="pass optimizer="):
+        opt.add_param_group({"params": [new]})
+    assert len(opt.master_params()) == 2 and len(opt.param_groups) == 2
+    opt.add_param_group({"params": [new]}, optimizer=1)
+    assert len(chain.optimizers[1].param_groups) == 2 and len(opt.master_params()) == 3
+    for p in (W, v, new):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(new.detach(), torch.full((3,), 0.8984375, dtype=torch.bfloat16))  # 1 - 0.1, in bf16
+    plain = MixedPrecisionOptimizer(SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    with pytest.raises(ValueError, match="Invalid optimizer: it names the member of a ChainedOptimizer"):
+        plain.add_param_group({"params": [torch.ones(1, requires_grad=True)]}, optimizer=0)
+
+
+# --- a step with no gradient and the loss scale -------------------------------------------------------------
+
+def test_a_step_without_any_gradient_does_not_grow_the_scale():
+    p = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([p], lr=0.1), DynamicLossScaler(initial_scale=4.0, growth_interval=1))
+    for _ in range(3):
+        assert opt.step() is None
+    assert opt.loss_scale == 4.0 and opt.loss_scaler.growth_tracker == 0
+    assert opt.found_inf is False and opt.skipped_steps == 0 and torch.equal(p, torch.ones(2, dtype=torch.bfloat16))
+    p.grad = torch.ones(2, dtype=torch.bfloat16) * 4
+    opt.step()
+    assert opt.loss_scale == 8.0  # one clean step with growth_interval=1
+
+
+def test_the_loss_scale_stops_at_float32s_range_as_torch_grad_scaler():
+    # torch.amp.GradScaler's kernel (_amp_update_scale_) on a float32 scale: the same sequence of scales
+    ref = torch.tensor([2.0**124], dtype=torch.float32)
+    tracker, found = torch.zeros(1, dtype=torch.int32), torch.zeros(1)
+    scaler = DynamicLossScaler(initial_scale=2.0**124, growth_interval=1)
+    p = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([p], lr=0.0), scaler)
+    scales = []
+    for _ in range(8):
+        opt.zero_grad()
+        opt.scale_loss((p.float() * 0.25).sum()).backward()  # gradient 0.25 S: finite up to S = 2**129
+        opt.step()
+        torch._amp_update_scale_(ref, tracker, found, 2.0, 0.5, 1)
+        scales.append(opt.loss_scale)
+        assert opt.loss_scale == ref.item()
+    assert scales == [2.0**125, 2.0**126, 2.0**127] + [2.0**127] * 5
+    assert opt.skipped_steps == 0 and opt.loss_scale <= FLOAT32_MAX
+
+
+@pytest.mark.parametrize("make", [lambda s: DynamicLossScaler(initial_scale=s), lambda s: ConstantLossScaler(s)])
+def test_a_scale_beyond_float32_is_refused(make):
+    with pytest.raises(ValueError, match="scale"):
+        make(2.0**128)
+    with pytest.raises(ValueError, match="state_dict\\['scale'\\]"):
+        DynamicLossScaler().load_state_dict({"scale": 2.0**200, "growth_tracker": 0, "hysteresis_tracker": 2})
+
+
+def test_unscale_grads_divides_and_reports_in_one_pass():
+    grads = [torch.full((3,), 8.0), torch.full((2, 2), 4.0, dtype=torch.float64), torch.empty(0)]
+    assert unscale_grads_(grads, 4.0) is False
+    assert torch.equal(grads[0], torch.full((3,), 2.0)) and torch.equal(grads[1], torch.ones(2, 2, dtype=torch.float64))
+    bad = [torch.tensor([1.0, float("nan")])]
+    assert unscale_grads_(bad, 2.0) is True
+    assert unscale_grads_([], 2.0) is False
+
+
+def test_without_a_scaler_a_nonfinite_float32_gradient_is_named():
+    a = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    c = torch.ones(3, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([{"params": [a]}, {"params": [c]}], lr=0.1))
+    a.grad = torch.ones(2, dtype=torch.bfloat16)
+    c.grad = torch.tensor([1.0, float("inf"), 0.0])
+    with pytest.raises(contract.NonFiniteGradientError, match=r"param_groups\[1\]\['params'\]\[0\] \(shape \(3,\)"):
+        opt.step()
+    assert torch.equal(c.detach(), torch.ones(3)) and torch.equal(a, torch.ones(2, dtype=torch.bfloat16))
+    assert opt.master_params()[0].grad is None
