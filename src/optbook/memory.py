@@ -37,16 +37,44 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optim import AdamW
+from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
+from .optim import SGD, Adam, AdamW, Lion, Muon
 from .optim._validation import check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
+from .precision import check_optimizer_state_dict, take_up_
 
-__all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OffloadOptimizer", "STATE_TENSORS", "ledger",
-           "measure", "most_loaded_shard", "peak_device_bytes"]
+__all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OPTIMIZERS", "OffloadOptimizer", "ledger", "measure",
+           "most_loaded_shard", "peak_device_bytes", "state_tensors"]
 
-#: Optimizer-state tensors of the size of the parameter, per optimizer (AdamW/Adam: m and v; Muon, SGD with
-#: momentum, Lion: one momentum buffer).
-STATE_TENSORS = {"adamw": 2, "adam": 2, "muon": 1, "sgd": 1, "lion": 1}
+#: The optimizer names :class:`MemoryConfig` accepts, and the classes they stand for.
+OPTIMIZERS = {"adamw": AdamW, "adam": Adam, "muon": Muon, "sgd": SGD, "lion": Lion}
+
+#: ``torch.optim`` classes have no ``state_tensors`` attribute: their parameter-sized state tensors, as they
+#: are by default (PyTorch v2.13.0; Adam's ``amsgrad`` adds one, SGD without momentum keeps none).
+_TORCH_STATE_TENSORS = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
+                        "RMSprop": 1, "Rprop": 2}
+
+
+def state_tensors(optimizer_class) -> int:
+    """How many state tensors of the parameter's size ``optimizer_class`` keeps per parameter.
+
+    Read from the class attribute ``state_tensors`` (AdamW and Adam: 2, ``exp_avg`` and ``exp_avg_sq``; SGD
+    with momentum, Muon, Lion: 1). For a ``torch.optim`` class, which has no such attribute, its default
+    configuration: SGD, Adagrad, RMSprop 1; Adam, AdamW, Adamax, NAdam, RAdam, Rprop 2.
+
+    Raises:
+        TypeError: a class that declares no count (Adafactor, Shampoo, SOAP keep factored state, not
+            parameter-sized tensors) and is not one of those ``torch.optim`` classes.
+    """
+    count = getattr(optimizer_class, "state_tensors", None)
+    if count is None and getattr(torch.optim, getattr(optimizer_class, "__name__", ""), None) is optimizer_class:
+        count = _TORCH_STATE_TENSORS.get(optimizer_class.__name__)
+    if count is None:
+        raise TypeError(f"Invalid optimizer: {getattr(optimizer_class, '__name__', optimizer_class)!r} declares "
+                        "no state_tensors (parameter-sized state tensors per parameter)")
+    return count
+
+
 SHARDINGS = ("none", "zero1", "layerwise")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,11 +128,12 @@ class MemoryConfig:
     """What one rank keeps for the optimizer step (the arguments of :func:`ledger`).
 
     Args:
-        optimizer: ``"adamw"``, ``"adam"`` (2 state tensors), ``"muon"``, ``"sgd"`` (momentum),
-            ``"lion"`` (1 state tensor).
+        optimizer: a name of :data:`OPTIMIZERS` (``"adamw"``, ``"adam"``: 2 state tensors; ``"muon"``,
+            ``"sgd"`` with momentum, ``"lion"``: 1) or an optimizer class; the count is
+            :func:`state_tensors` of the class.
         sharding: ``"none"`` (data parallel: every rank holds all optimizer state), ``"zero1"`` (Megatron's
             distributed optimizer: master, main gradient and state split over ``dp`` ranks, element-wise
-            optimizers only) or ``"layerwise"`` (whole matrices owned by one rank each; counted as an even
+            optimizers only: :func:`optbook.contract.elementwise`) or ``"layerwise"`` (whole matrices owned by one rank each; counted as an even
             split, which load balancing approaches).
         dp: data-parallel ranks sharing the optimizer state (``>= 1``).
         param_dtype: the model parameters' dtype (float16, bfloat16, float32, float64).
@@ -124,7 +153,7 @@ class MemoryConfig:
         outside ``[0, 1]``.
     """
 
-    optimizer: str = "adamw"
+    optimizer: str | type = "adamw"
     sharding: str = "none"
     dp: int = 1
     param_dtype: torch.dtype = torch.bfloat16
@@ -135,15 +164,19 @@ class MemoryConfig:
     offload_fraction: float = 0.0
 
     def __post_init__(self):
-        if self.optimizer not in STATE_TENSORS:
-            raise ValueError(f"Invalid optimizer: expected one of {sorted(STATE_TENSORS)}, "
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Invalid optimizer: expected one of {sorted(OPTIMIZERS)} or an optimizer class, "
                              f"got {self.optimizer!r}")
+        if not isinstance(self.optimizer, (str, type)):
+            raise TypeError(f"Invalid optimizer: expected a name or an optimizer class, got {self.optimizer!r}")
+        state_tensors(self.optimizer_class)
         if self.sharding not in SHARDINGS:
             raise ValueError(f"Invalid sharding: expected one of {SHARDINGS}, got {self.sharding!r}")
-        if self.sharding == "zero1" and self.optimizer == "muon":
-            raise ValueError("Invalid sharding: 'zero1' splits the state element-wise, through matrices, and "
-                             "Muon orthogonalises whole matrices; use sharding='layerwise' (Megatron-LM "
-                             "rewrites --use-distributed-optimizer with Muon to its layer-wise optimizer)")
+        if self.sharding == "zero1" and not elementwise(self.optimizer_class):
+            raise ValueError(f"Invalid sharding: 'zero1' splits the state element-wise, through matrices, and "
+                             f"{self.optimizer_class.__name__} is not element-wise (Muon orthogonalises whole "
+                             "matrices); use sharding='layerwise' (Megatron-LM rewrites "
+                             "--use-distributed-optimizer with Muon to its layer-wise optimizer)")
         _check_int("dp", self.dp, 1)
         _check_dtype("param_dtype", self.param_dtype)
         _check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
@@ -154,10 +187,15 @@ class MemoryConfig:
             raise ValueError(f"Invalid master_weights: a {self.param_dtype} parameter is its own master; "
                              "masters exist for float16/bfloat16 parameters")
         check_number("adamw_fraction", self.adamw_fraction, low=0.0, high=1.0)
-        if self.adamw_fraction and self.optimizer != "muon":
+        if self.adamw_fraction and self.optimizer_class is not Muon:
             raise ValueError(f"Invalid adamw_fraction: it routes part of a Muon model to AdamW; with "
                              f"optimizer={self.optimizer!r} it must be 0")
         check_number("offload_fraction", self.offload_fraction, low=0.0, high=1.0)
+
+    @property
+    def optimizer_class(self) -> type:
+        """The class ``optimizer`` names (or is)."""
+        return OPTIMIZERS[self.optimizer] if isinstance(self.optimizer, str) else self.optimizer
 
     @property
     def masters(self) -> bool:
@@ -178,9 +216,9 @@ class MemoryConfig:
     @property
     def state_tensors(self) -> float:
         """State tensors per parameter (Muon with ``adamw_fraction`` f: ``(1 - f) * 1 + f * 2``)."""
-        k = STATE_TENSORS[self.optimizer]
-        if self.optimizer == "muon":
-            return (1 - self.adamw_fraction) * k + self.adamw_fraction * STATE_TENSORS["adamw"]
+        k = state_tensors(self.optimizer_class)
+        if self.optimizer_class is Muon:
+            return (1 - self.adamw_fraction) * k + self.adamw_fraction * state_tensors(AdamW)
         return k
 
 

@@ -195,6 +195,7 @@ class Muon(BookOptimizer):
     float_options = ("lr", "momentum", "weight_decay", "extra_scale_factor", "eps")
 
     refuse_nonfinite_grads = True
+    state_tensors = 1  #: parameter-sized state tensors (the momentum buffer), for optbook.memory
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
