@@ -12,8 +12,8 @@ step. One iteration::
 
     loss = model(batch)                              (low precision forward)
     opt.scale_loss(loss).backward()                  (grads of loss * S, S = the loss scale)
-    applied = opt.step()                             (see MixedPrecisionOptimizer.step)
-    if applied: scheduler.step()
+    opt.step()                                       (see MixedPrecisionOptimizer.step)
+    if not opt.found_inf: scheduler.step()           (a skipped step does not advance the schedule)
     opt.zero_grad()
 
 Why the two halves exist (chapter 11):
@@ -28,6 +28,15 @@ Why the two halves exist (chapter 11):
   into float16's range; the optimizer divides by ``S`` in float32 before using them. Too large an
   ``S`` overflows to ``inf``: that step is skipped and a dynamic scaler lowers ``S``. bfloat16 has
   float32's exponent range and usually needs no scaling.
+
+The loss-scaling pieces are public functions, so that every optimizer with a loss scaler shares one copy:
+:func:`loss_scale_of`, :func:`check_loss_scaler`, :func:`check_float16_scaled`, :func:`scaled_loss`,
+:func:`unscale_grads_`; and two pieces every owner of a copy of the weights shares (:mod:`optbook.contract`):
+:func:`take_up_` and :func:`check_optimizer_state_dict`.
+
+Pinned sources: Megatron-LM core_r0.13.0 (``megatron/core/optimizer/optimizer.py``,
+``megatron/core/optimizer/grad_scaler.py``); PyTorch v2.13.0 (``torch/amp/grad_scaler.py``,
+``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp``).
 
 ``import optbook.precision`` needs torch only.
 """
