@@ -959,9 +959,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # --- copy and pickle -----------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        """Everything (the inner optimizer, pairs, scaler, hooks); outside writes not yet taken up are
-        remembered by position, since the version tracker is keyed by tensor identity."""
+        """Everything (the inner optimizer, pairs, scaler, hooks) but a scheduler's wrapper of :meth:`step`
+        (bound to this object, as ``torch.optim.Optimizer.__getstate__`` leaves it out); outside writes not
+        yet taken up are remembered by position, since the version tracker is keyed by tensor identity."""
         state = dict(self.__dict__)
+        state.pop("step", None)  # a learning-rate scheduler's wrapper of the original's bound step
+        state.pop("_opt_called", None)
         tracker = state.pop("_tracker")
         state["_pending"] = set(self._pending) | set(tracker.changed([p for p, _ in self._pairs]))
         return state
