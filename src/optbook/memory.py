@@ -408,7 +408,7 @@ def _measure(opt, out: Measured, seen: set) -> None:
         _add_state(out, opt.state, seen)
         return
     if isinstance(opt, MixedPrecisionOptimizer):
-        for p in opt._model_params:
+        for p in opt.model_params():
             out.add("params", p, seen)
             out.add("grads", p.grad, seen)
         for m in opt.master_params():

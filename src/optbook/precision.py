@@ -632,6 +632,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The float32 masters, one per float16/bfloat16 model parameter, in group order."""
         return [master for _, master in self._pairs]
 
+    def model_params(self) -> list[torch.Tensor]:
+        """Every model parameter the wrapper steps (low precision or not), in group order."""
+        return list(self._model_params)
+
     def add_param_group(self, param_group: dict, optimizer=None) -> None:
         """Add a group of *model* parameters: low-precision ones get masters, then the inner optimizer adds it.
 
