@@ -153,13 +153,14 @@ class DynamicLossScaler:
     overflows at ``min_scale`` on every step makes no progress (watch ``skipped_steps``); nothing is
     raised.
 
-    Growth stops at float32's range: a growth whose result exceeds :data:`FLOAT32_MAX` (``inf`` in
-    float32) is not applied -- ``S`` stays where it is and the trackers are reset as after a growth. This
-    is ``torch.amp.GradScaler``'s rule (PyTorch v2.13.0, ``_amp_update_scale_``:
-    ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp`` and ``native/cuda/AmpKernels.cu``,
-    "Do not grow the scale past fp32 bounds to inf": ``new_scale = scale * growth_factor`` in float32,
-    kept only ``if isfinite(new_scale)``). The scaled loss is float32, so a larger ``S`` would make every
-    step overflow; Megatron-LM's float32 scale would become ``inf``. With the default factor 2 the
+    Growth stops at float32's range: a growth whose result exceeds :data:`FLOAT32_MAX` is not applied --
+    ``S`` stays where it is and the trackers are reset as after a growth. This is ``torch.amp.GradScaler``'s
+    rule (PyTorch v2.13.0, ``_amp_update_scale_``: ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp``
+    and ``aten/src/ATen/native/cuda/AmpKernels.cu``, "Do not grow the scale past fp32 bounds to inf":
+    ``new_scale = static_cast<float>(scale * growth_factor)``, kept only ``if isfinite(new_scale)``; its
+    cast rounds a product less than half a float32 ulp above the maximum down to it, which only a factor
+    that is not a power of two can produce). The scaled loss is float32, so a larger ``S`` would make
+    every step overflow; Megatron-LM's float32 scale would become ``inf``. With the default factor 2 the
     largest scale reached is ``2**127``.
 
     The arithmetic is in Python floats (float64); Megatron computes in float32 tensors. The two agree
