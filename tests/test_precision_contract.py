@@ -245,6 +245,7 @@ def test_state_dict_and_load_hooks_run():
 def test_a_copy_steps_like_the_original_and_owns_its_own_parameters(how):
     params, opt = _mp([(2, 3), (3,)])
     opt.loss_scaler = DynamicLossScaler(initial_scale=2.0**4)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)  # it wraps opt.step: the copy must step itself
     _run_a_bit(params, opt)
     if how == "deepcopy":
         twin = copy.deepcopy(opt)

@@ -37,16 +37,44 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optim import AdamW
+from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
+from .optim import SGD, Adam, AdamW, Lion, Muon
 from .optim._validation import check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
+from .precision import check_optimizer_state_dict, take_up_
 
-__all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OffloadOptimizer", "STATE_TENSORS", "ledger",
-           "measure", "most_loaded_shard", "peak_device_bytes"]
+__all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OPTIMIZERS", "OffloadOptimizer", "ledger", "measure",
+           "most_loaded_shard", "peak_device_bytes", "state_tensors"]
 
-#: Optimizer-state tensors of the size of the parameter, per optimizer (AdamW/Adam: m and v; Muon, SGD with
-#: momentum, Lion: one momentum buffer).
-STATE_TENSORS = {"adamw": 2, "adam": 2, "muon": 1, "sgd": 1, "lion": 1}
+#: The optimizer names :class:`MemoryConfig` accepts, and the classes they stand for.
+OPTIMIZERS = {"adamw": AdamW, "adam": Adam, "muon": Muon, "sgd": SGD, "lion": Lion}
+
+#: ``torch.optim`` classes have no ``state_tensors`` attribute: their parameter-sized state tensors, as they
+#: are by default (PyTorch v2.13.0; Adam's ``amsgrad`` adds one, SGD without momentum keeps none).
+_TORCH_STATE_TENSORS = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
+                        "RMSprop": 1, "Rprop": 2}
+
+
+def state_tensors(optimizer_class) -> int:
+    """How many state tensors of the parameter's size ``optimizer_class`` keeps per parameter.
+
+    Read from the class attribute ``state_tensors`` (AdamW and Adam: 2, ``exp_avg`` and ``exp_avg_sq``; SGD
+    with momentum, Muon, Lion: 1). For a ``torch.optim`` class, which has no such attribute, its default
+    configuration: SGD, Adagrad, RMSprop 1; Adam, AdamW, Adamax, NAdam, RAdam, Rprop 2.
+
+    Raises:
+        TypeError: a class that declares no count (Adafactor, Shampoo, SOAP keep factored state, not
+            parameter-sized tensors) and is not one of those ``torch.optim`` classes.
+    """
+    count = getattr(optimizer_class, "state_tensors", None)
+    if count is None and getattr(torch.optim, getattr(optimizer_class, "__name__", ""), None) is optimizer_class:
+        count = _TORCH_STATE_TENSORS.get(optimizer_class.__name__)
+    if count is None:
+        raise TypeError(f"Invalid optimizer: {getattr(optimizer_class, '__name__', optimizer_class)!r} declares "
+                        "no state_tensors (parameter-sized state tensors per parameter)")
+    return count
+
+
 SHARDINGS = ("none", "zero1", "layerwise")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,11 +128,12 @@ class MemoryConfig:
     """What one rank keeps for the optimizer step (the arguments of :func:`ledger`).
 
     Args:
-        optimizer: ``"adamw"``, ``"adam"`` (2 state tensors), ``"muon"``, ``"sgd"`` (momentum),
-            ``"lion"`` (1 state tensor).
+        optimizer: a name of :data:`OPTIMIZERS` (``"adamw"``, ``"adam"``: 2 state tensors; ``"muon"``,
+            ``"sgd"`` with momentum, ``"lion"``: 1) or an optimizer class; the count is
+            :func:`state_tensors` of the class.
         sharding: ``"none"`` (data parallel: every rank holds all optimizer state), ``"zero1"`` (Megatron's
             distributed optimizer: master, main gradient and state split over ``dp`` ranks, element-wise
-            optimizers only) or ``"layerwise"`` (whole matrices owned by one rank each; counted as an even
+            optimizers only: :func:`optbook.contract.elementwise`) or ``"layerwise"`` (whole matrices owned by one rank each; counted as an even
             split, which load balancing approaches).
         dp: data-parallel ranks sharing the optimizer state (``>= 1``).
         param_dtype: the model parameters' dtype (float16, bfloat16, float32, float64).
@@ -124,7 +153,7 @@ class MemoryConfig:
         outside ``[0, 1]``.
     """
 
-    optimizer: str = "adamw"
+    optimizer: str | type = "adamw"
     sharding: str = "none"
     dp: int = 1
     param_dtype: torch.dtype = torch.bfloat16
@@ -135,15 +164,19 @@ class MemoryConfig:
     offload_fraction: float = 0.0
 
     def __post_init__(self):
-        if self.optimizer not in STATE_TENSORS:
-            raise ValueError(f"Invalid optimizer: expected one of {sorted(STATE_TENSORS)}, "
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Invalid optimizer: expected one of {sorted(OPTIMIZERS)} or an optimizer class, "
                              f"got {self.optimizer!r}")
+        if not isinstance(self.optimizer, (str, type)):
+            raise TypeError(f"Invalid optimizer: expected a name or an optimizer class, got {self.optimizer!r}")
+        state_tensors(self.optimizer_class)
         if self.sharding not in SHARDINGS:
             raise ValueError(f"Invalid sharding: expected one of {SHARDINGS}, got {self.sharding!r}")
-        if self.sharding == "zero1" and self.optimizer == "muon":
-            raise ValueError("Invalid sharding: 'zero1' splits the state element-wise, through matrices, and "
-                             "Muon orthogonalises whole matrices; use sharding='layerwise' (Megatron-LM "
-                             "rewrites --use-distributed-optimizer with Muon to its layer-wise optimizer)")
+        if self.sharding == "zero1" and not elementwise(self.optimizer_class):
+            raise ValueError(f"Invalid sharding: 'zero1' splits the state element-wise, through matrices, and "
+                             f"{self.optimizer_class.__name__} is not element-wise (Muon orthogonalises whole "
+                             "matrices); use sharding='layerwise' (Megatron-LM rewrites "
+                             "--use-distributed-optimizer with Muon to its layer-wise optimizer)")
         _check_int("dp", self.dp, 1)
         _check_dtype("param_dtype", self.param_dtype)
         _check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
@@ -154,10 +187,15 @@ class MemoryConfig:
             raise ValueError(f"Invalid master_weights: a {self.param_dtype} parameter is its own master; "
                              "masters exist for float16/bfloat16 parameters")
         check_number("adamw_fraction", self.adamw_fraction, low=0.0, high=1.0)
-        if self.adamw_fraction and self.optimizer != "muon":
+        if self.adamw_fraction and self.optimizer_class is not Muon:
             raise ValueError(f"Invalid adamw_fraction: it routes part of a Muon model to AdamW; with "
                              f"optimizer={self.optimizer!r} it must be 0")
         check_number("offload_fraction", self.offload_fraction, low=0.0, high=1.0)
+
+    @property
+    def optimizer_class(self) -> type:
+        """The class ``optimizer`` names (or is)."""
+        return OPTIMIZERS[self.optimizer] if isinstance(self.optimizer, str) else self.optimizer
 
     @property
     def masters(self) -> bool:
@@ -178,9 +216,9 @@ class MemoryConfig:
     @property
     def state_tensors(self) -> float:
         """State tensors per parameter (Muon with ``adamw_fraction`` f: ``(1 - f) * 1 + f * 2``)."""
-        k = STATE_TENSORS[self.optimizer]
-        if self.optimizer == "muon":
-            return (1 - self.adamw_fraction) * k + self.adamw_fraction * STATE_TENSORS["adamw"]
+        k = state_tensors(self.optimizer_class)
+        if self.optimizer_class is Muon:
+            return (1 - self.adamw_fraction) * k + self.adamw_fraction * state_tensors(AdamW)
         return k
 
 
@@ -370,7 +408,7 @@ def _measure(opt, out: Measured, seen: set) -> None:
         _add_state(out, opt.state, seen)
         return
     if isinstance(opt, MixedPrecisionOptimizer):
-        for p in opt._model_params:
+        for p in opt.model_params():
             out.add("params", p, seen)
             out.add("grads", p.grad, seen)
         for m in opt.master_params():
@@ -487,6 +525,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         last_bytes: ``{"d2h": int, "h2d": int}`` bytes copied by the last step; ``total_bytes`` the sums.
         host_optimizers, device_optimizer: the inner optimizers (``device_optimizer`` may be ``None``).
         offloaded: for each parameter in group order, whether it is stepped on the host.
+        found_inf, skipped_steps, last_grad_norm: the step contract's reports (:mod:`optbook.contract`). There
+            is no loss scaler, so a non-finite gradient raises and no step is skipped: always ``False``, ``0``
+            (kept in the state dict) and ``None`` (no norm is computed).
+
+    Who owns the weights (:mod:`optbook.contract`): the optimizer registers itself as the owner of every
+    parameter it keeps a copy of (host copies, device float32 masters). A write it did not make (a
+    weights-only ``model.load_state_dict``, an in-place edit) is taken up into the copy at the start of the
+    next :meth:`step` (:func:`optbook.precision.take_up_`), so it is never undone;
+    :func:`optbook.contract.scale_weights_` (used by :func:`optbook.qk_clip_`) scales the copy and writes the
+    parameter from it (:meth:`_scale_weights_`).
 
     Raises:
         TypeError: ``optimizer_class`` not a ``torch.optim.Optimizer`` subclass; ``host`` not a device;
@@ -580,6 +628,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for g in opt.param_groups:
                 for q in g["params"]:
                     opt.state[q] = self.state[model_of[id(q)]]
+        self.found_inf = False
+        self.skipped_steps = 0
+        self.last_grad_norm = None
+        self._tracker = VersionTracker()
+        register_owner(list(self._inner), self)
+        self._tracker.record(list(self._inner))
         self._built = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -612,30 +666,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(p, f"param_groups[{gi}]['params'][{pi}]")
-        if any(getattr(opt, "refuse_nonfinite_grads", False) for opt in books):
-            grads = [p.grad for p in self._params if p.grad is not None and p.numel()]
-            if grads and not all_finite(grads):
-                raise ValueError("Non-finite gradient: skip this step (see the loss scaler); "
-                                 "nothing was changed")
+        named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
+                 for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
+        if named and not all_finite([p.grad for _, p in named]):
+            for where, p in named:
+                if not bool(torch.isfinite(p.grad).all()):
+                    raise NonFiniteGradientError(f"Non-finite gradient of {where} (shape {tuple(p.shape)}): "
+                                                 "nothing was written (OffloadOptimizer has no loss scaler)")
 
     @torch.no_grad()
     def step(self, closure=None):
         """One step: gradients down, inner steps (device, then each host sub-group), parameters up.
 
+        Outside writes of the parameters are taken up into their copies first (class docstring).
+
         Returns:
             The closure's loss, or ``None``.
 
         Raises:
+            optbook.contract.NonFiniteGradientError: a gradient holds ``inf``/``NaN`` (the message names the
+                parameter).
             ValueError, TypeError: an invalid hyperparameter (what the inner optimizer's checks or, for a
-                ``torch.optim`` class, its constructor raise) or gradient (shape, dtype, device, sparse;
-                non-finite for Muon and the matrix optimizers); parameters, state, host copies and byte
-                counters are then bitwise unchanged.
+                ``torch.optim`` class, its constructor raise) or gradient (shape, dtype, device, sparse).
+            In every case parameters, state, host copies and byte counters are bitwise unchanged.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._validate()
+        self._take_up_outside_writes()
         for opt, owners in self._subs:   # hyperparameters a scheduler may have changed
             for g, gi in zip(opt.param_groups, owners):
                 g.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
@@ -677,22 +737,56 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for p, g in hidden.items():
             self._inner[p].grad = g
         for p, off in zip(self._params, self.offloaded):
-            inner = self._inner.get(p)
-            if inner is None or p.grad is None:
-                continue
-            if off and p in self._staging:
-                up = self._staging[p][1]
-                up.copy_(inner)   # rounding on the host
-                p.copy_(up, non_blocking=p.is_cuda)
-            else:
-                p.copy_(inner, non_blocking=off and p.is_cuda)
-            if off:
-                h2d += p.numel() * p.element_size()
+            if p in self._inner and p.grad is not None:
+                self._upload(p, off)
+                if off:
+                    h2d += p.numel() * p.element_size()
         if sync:
             torch.cuda.synchronize()
+        self._tracker.record(list(self._inner))
         self.last_bytes = {"d2h": d2h, "h2d": h2d}
         self.total_bytes = {k: self.total_bytes[k] + v for k, v in self.last_bytes.items()}
         return loss
+
+    def _upload(self, p: torch.Tensor, off: bool) -> None:
+        """Write model parameter ``p`` from its copy (through the staging buffer when low precision on the host)."""
+        inner = self._inner[p]
+        if off and p in self._staging:
+            up = self._staging[p][1]
+            up.copy_(inner)   # rounding on the host
+            p.copy_(up, non_blocking=p.is_cuda)
+        else:
+            p.copy_(inner, non_blocking=off and p.is_cuda)
+
+    # --- owner of the parameters it keeps copies of (optbook.contract) --------------------------------------
+    def _take_up_outside_writes(self) -> None:
+        params = list(self._inner)
+        changed = [params[i] for i in self._tracker.changed(params)]
+        for p in changed:
+            take_up_(self._inner[p], p)
+        self._tracker.record(changed)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """``copy *= factor`` (float32 or the parameter's wider dtype), then the parameter from the copy.
+
+        Args:
+            param: a parameter this optimizer keeps a copy of.
+            factor: a Python number or a real tensor broadcastable to ``param.shape`` (a row scaling: shape
+                ``(rows, 1)``).
+        """
+        inner = self._inner.get(param)
+        if inner is None:   # stepped in place: an ordinary scaling
+            param.mul_(factor)
+            return
+        if self._tracker.changed([param]):
+            take_up_(inner, param)
+        inner.mul_(factor.to(inner.device) if isinstance(factor, torch.Tensor) else factor)
+        off = self.offloaded[next(i for i, p in enumerate(self._params) if p is param)]
+        self._upload(param, off)
+        if off and param.is_cuda:
+            torch.cuda.synchronize()
+        self._tracker.record([param])
 
     def master_params(self) -> list[torch.Tensor]:
         """The tensor each parameter is stepped on (host copy, device master or itself), in group order."""
@@ -700,9 +794,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """``torch.optim``'s layout over the model parameters (state tensors on the host for offloaded
-        parameters), plus ``"master_params"``: the tensors each parameter is stepped on, in group order."""
+        parameters), plus ``"master_params"``: the tensors each parameter is stepped on, in group order, and
+        ``"skipped_steps"``."""
         sd = super().state_dict()
         sd["master_params"] = [t.detach() for t in self.master_params()]
+        sd["skipped_steps"] = self.skipped_steps
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -712,23 +808,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameter's, as ``torch.optim`` would cast them); each state dict stays shared with its inner
         optimizer.
 
+        A dict saved before ``skipped_steps`` existed loads (as ``0``). The loaded copies are the truth
+        afterwards: the model parameters are written from them.
+
         Raises:
-            ValueError: a missing key, another number of groups or parameters, or a master of another
-                shape; found before anything is loaded.
+            ValueError: not a dict or a missing key; another number of groups or of parameters in a group; a
+                master of another shape or not floating point; a state tensor that is not floating point or,
+                for an element-wise ``optimizer_class``, of another shape than its parameter
+                (:func:`optbook.precision.check_optimizer_state_dict`); a bad ``skipped_steps``. All found
+                before anything is written: parameters, copies and state are then bitwise unchanged.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups", "master_params"):
             if key not in state_dict:
                 raise ValueError(f"Invalid state_dict: missing {key!r} (expected an OffloadOptimizer "
                                  "state dict)")
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("Invalid state_dict: its parameter groups differ in number or size from this "
-                             "optimizer's")
-        masters = state_dict["master_params"]
         targets = self.master_params()
-        if len(masters) != len(targets) or any(a.shape != b.shape for a, b in zip(masters, targets)):
-            raise ValueError("Invalid state_dict: master_params differ in number or shape from this "
-                             "optimizer's")
+        check_optimizer_state_dict(state_dict, [list(g["params"]) for g in self.param_groups],
+                                   [elementwise(self.optimizer_class)] * len(self._params),
+                                   [self.state.get(p, {}) for p in self._params])
+        saved = state_dict["param_groups"]
+        masters = state_dict["master_params"]
+        if len(masters) != len(targets):
+            raise ValueError(f"Invalid state_dict: it holds {len(masters)} master_params, this optimizer has "
+                             f"{len(targets)}")
+        for i, (a, b) in enumerate(zip(masters, targets)):
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape or not a.is_floating_point():
+                raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
+                                 f"{tuple(getattr(a, 'shape', ()))} and dtype {getattr(a, 'dtype', None)}, "
+                                 f"expected shape {tuple(b.shape)}, floating point")
+        skipped = _check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", 0), 0)
         with torch.no_grad():
             for g, sg in zip(self.param_groups, saved):
                 g.update({k: v for k, v in sg.items() if k != "params"})
@@ -745,6 +855,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 target.copy_(masters[i])
                 if target is not p:
                     p.copy_(target)
+        self._tracker.record(list(self._inner))
+        self.skipped_steps = skipped
 
     def __repr__(self) -> str:
         n_off = sum(p.numel() for p, off in zip(self._params, self.offloaded) if off)

@@ -12,8 +12,8 @@ step. One iteration::
 
     loss = model(batch)                              (low precision forward)
     opt.scale_loss(loss).backward()                  (grads of loss * S, S = the loss scale)
-    applied = opt.step()                             (see MixedPrecisionOptimizer.step)
-    if applied: scheduler.step()
+    opt.step()                                       (see MixedPrecisionOptimizer.step)
+    if not opt.found_inf: scheduler.step()           (a skipped step does not advance the schedule)
     opt.zero_grad()
 
 Why the two halves exist (chapter 11):
@@ -28,6 +28,15 @@ Why the two halves exist (chapter 11):
   into float16's range; the optimizer divides by ``S`` in float32 before using them. Too large an
   ``S`` overflows to ``inf``: that step is skipped and a dynamic scaler lowers ``S``. bfloat16 has
   float32's exponent range and usually needs no scaling.
+
+The loss-scaling pieces are public functions, so that every optimizer with a loss scaler shares one copy:
+:func:`loss_scale_of`, :func:`check_loss_scaler`, :func:`check_float16_scaled`, :func:`scaled_loss`,
+:func:`unscale_grads_`; and two pieces every owner of a copy of the weights shares (:mod:`optbook.contract`):
+:func:`take_up_` and :func:`check_optimizer_state_dict`.
+
+Pinned sources: Megatron-LM core_r0.13.0 (``megatron/core/optimizer/optimizer.py``,
+``megatron/core/optimizer/grad_scaler.py``); PyTorch v2.13.0 (``torch/amp/grad_scaler.py``,
+``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp``).
 
 ``import optbook.precision`` needs torch only.
 """
@@ -144,13 +153,14 @@ class DynamicLossScaler:
     overflows at ``min_scale`` on every step makes no progress (watch ``skipped_steps``); nothing is
     raised.
 
-    Growth stops at float32's range: a growth whose result exceeds :data:`FLOAT32_MAX` (``inf`` in
-    float32) is not applied -- ``S`` stays where it is and the trackers are reset as after a growth. This
-    is ``torch.amp.GradScaler``'s rule (PyTorch v2.13.0, ``_amp_update_scale_``:
-    ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp`` and ``native/cuda/AmpKernels.cu``,
-    "Do not grow the scale past fp32 bounds to inf": ``new_scale = scale * growth_factor`` in float32,
-    kept only ``if isfinite(new_scale)``). The scaled loss is float32, so a larger ``S`` would make every
-    step overflow; Megatron-LM's float32 scale would become ``inf``. With the default factor 2 the
+    Growth stops at float32's range: a growth whose result exceeds :data:`FLOAT32_MAX` is not applied --
+    ``S`` stays where it is and the trackers are reset as after a growth. This is ``torch.amp.GradScaler``'s
+    rule (PyTorch v2.13.0, ``_amp_update_scale_``: ``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp``
+    and ``aten/src/ATen/native/cuda/AmpKernels.cu``, "Do not grow the scale past fp32 bounds to inf":
+    ``new_scale = static_cast<float>(scale * growth_factor)``, kept only ``if isfinite(new_scale)``; its
+    cast rounds a product less than half a float32 ulp above the maximum down to it, which only a factor
+    that is not a power of two can produce). The scaled loss is float32, so a larger ``S`` would make
+    every step overflow; Megatron-LM's float32 scale would become ``inf``. With the default factor 2 the
     largest scale reached is ``2**127``.
 
     The arithmetic is in Python floats (float64); Megatron computes in float32 tensors. The two agree
@@ -623,6 +633,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The float32 masters, one per float16/bfloat16 model parameter, in group order."""
         return [master for _, master in self._pairs]
 
+    def model_params(self) -> list[torch.Tensor]:
+        """Every model parameter the wrapper steps (low precision or not), in group order."""
+        return list(self._model_params)
+
     def add_param_group(self, param_group: dict, optimizer=None) -> None:
         """Add a group of *model* parameters: low-precision ones get masters, then the inner optimizer adds it.
 
@@ -950,9 +964,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # --- copy and pickle -----------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        """Everything (the inner optimizer, pairs, scaler, hooks); outside writes not yet taken up are
-        remembered by position, since the version tracker is keyed by tensor identity."""
+        """Everything (the inner optimizer, pairs, scaler, hooks) but a scheduler's wrapper of :meth:`step`
+        (bound to this object, as ``torch.optim.Optimizer.__getstate__`` leaves it out); outside writes not
+        yet taken up are remembered by position, since the version tracker is keyed by tensor identity."""
         state = dict(self.__dict__)
+        state.pop("step", None)  # a learning-rate scheduler's wrapper of the original's bound step
+        state.pop("_opt_called", None)
         tracker = state.pop("_tracker")
         state["_pending"] = set(self._pending) | set(tracker.changed([p for p, _ in self._pairs]))
         return state

@@ -117,6 +117,7 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
 class _AdamBase(BookOptimizer):
     _decoupled: bool
     elementwise = True
+    state_tensors = 2  #: parameter-sized state tensors (exp_avg, exp_avg_sq), for optbook.memory
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "eps", "weight_decay")
 

@@ -55,6 +55,7 @@ class Lion(BookOptimizer):
     """
 
     elementwise = True
+    state_tensors = 1  #: parameter-sized state tensors (exp_avg), for optbook.memory
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "weight_decay")

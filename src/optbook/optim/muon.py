@@ -204,6 +204,7 @@ class Muon(BookOptimizer):
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "momentum", "weight_decay", "extra_scale_factor", "eps")
 
+    state_tensors = 1  #: parameter-sized state tensors (the momentum buffer), for optbook.memory
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",

@@ -89,6 +89,7 @@ class SGD(BookOptimizer):
     """
 
     elementwise = True
+    state_tensors = 1  #: parameter-sized state tensors (the momentum buffer), for optbook.memory
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "momentum", "weight_decay")
