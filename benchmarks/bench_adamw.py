@@ -5,8 +5,15 @@ optimizer stepping on the same gradients in the same process, measured with
 ``torch.utils.benchmark`` in interleaved rounds so that machine noise hits every contender alike.
 
 The memory-traffic floor: an AdamW step must read p, g, m, v and write p, m, v -- 7 float32 arrays,
-28 bytes per parameter. Dividing that by the bandwidth of a plain ``copy_`` of a buffer of the same
-size (8 bytes per element moved) gives the time no implementation can beat by much.
+28 bytes per parameter. The floor divides that by the best bandwidth *measured in the same run, with
+the same threads, over the same tensors* with passes that mix reads and writes as the optimizer does:
+``copy_`` of one flat buffer (read 1, write 1: 8 bytes per element), ``torch._foreach_lerp_(m, g, w)``
+(read 2, write 1: 12 bytes) and ``torch._foreach_addcmul_(p, m, v)`` (read 3, write 1: 16 bytes) over
+the optimizer's own lists of tensors. A plain ``copy_`` alone is no floor: the fused AdamW ran at 0.60x
+of a floor derived from ``copy_``'s bandwidth, so ``copy_`` does not reach the bandwidth the machine
+has. The number printed is therefore called an *estimate*: with the best of the three passes the fused
+AdamW still ran at 0.90x of it in one run on a loaded 2-core machine, so it is not a lower bound there
+either; the script says which way it came out.
 
 Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
 """
@@ -14,6 +21,7 @@ Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -63,13 +71,26 @@ def main() -> None:
         optimizers[kind].step()  # allocate state outside the timing
 
     src, dst = torch.randn(numel), torch.empty(numel)
-    times: dict[str, list[float]] = {k: [] for k in kinds + ["copy"]}
+    # the same tensors as the optimizer's: p, g, m, v of the fused AdamW (values are irrelevant to the timing)
+    fused = optimizers["torch fused"]
+    p_list = [p.detach() for p in params["torch fused"]]   # in-place on the leaves outside autograd
+    g_list = [p.grad for p in params["torch fused"]]
+    m_list = [fused.state[p]["exp_avg"] for p in params["torch fused"]]
+    v_list = [fused.state[p]["exp_avg_sq"] for p in params["torch fused"]]
+    passes = {  # name: (statement, globals, bytes per parameter)
+        "copy_": ("dst.copy_(src)", {"src": src, "dst": dst}, 8),
+        "foreach lerp_ (m, g)": ("torch._foreach_lerp_(m, g, 0.0)", {"torch": torch, "m": m_list, "g": g_list}, 12),
+        "foreach addcmul_ (p, m, v)": ("torch._foreach_addcmul_(p, m, v, value=0.0)",
+                                       {"torch": torch, "p": p_list, "m": m_list, "v": v_list}, 16),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds + list(passes)}
     for _ in range(args.rounds):
         for kind in kinds:
             timer = Timer("opt.step()", globals={"opt": optimizers[kind]}, num_threads=args.threads)
             times[kind].append(timer.timeit(5).median)
-        timer = Timer("dst.copy_(src)", globals={"src": src, "dst": dst}, num_threads=args.threads)
-        times["copy"].append(timer.timeit(5).median)
+        for name, (stmt, env, _) in passes.items():
+            timer = Timer(stmt, globals=env, num_threads=args.threads)
+            times[name].append(timer.timeit(5).median)
 
     # the four trajectories must agree (same algorithm, same inputs): a benchmark of a wrong result is void
     reference = params["torch for-loop"]
@@ -78,24 +99,30 @@ def main() -> None:
         assert diff < 1e-5, f"{kind} diverged from torch's for-loop AdamW by {diff}"
 
     median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    bandwidth = 8 * numel / (median["copy"] / 1e3)  # bytes per second moved by copy_
-    floor_ms = 28 * numel / bandwidth * 1e3
+    bandwidth = {name: nbytes * numel / (median[name] / 1e3) for name, (_, _, nbytes) in passes.items()}  # B/s
+    best = max(bandwidth, key=bandwidth.get)
+    traffic_ms = 28 * numel / bandwidth[best] * 1e3
     baseline = min(median["torch for-loop"], median["torch foreach"])
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [f"AdamW step, {numel / 1e6:.1f}M float32 parameters in {len(shapes)} tensors, "
-             f"{args.threads} threads, median of {args.rounds} rounds",
-             f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> memory-traffic floor {floor_ms:.1f} ms "
-             "(28 bytes per parameter)",
-             f"{'implementation':<16} {'ms/step':>8} {'vs optbook':>11} {'vs floor':>9}"]
+          f"{args.threads} threads, median of {args.rounds} interleaved rounds"]
+    lines.append(f"environment: torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"load average (1 min) {load:.1f}")
+    lines.append("bandwidth of passes over the same memory: " + ", ".join(
+        f"{name} {bandwidth[name] / 1e9:.1f} GB/s" for name in passes))
+    lines.append(f"memory-traffic estimate {traffic_ms:.1f} ms (28 bytes per parameter at the best measured bandwidth, {best}); "
+          + ("a lower bound in this run: no implementation beat it" if min(median[k] for k in kinds) >= traffic_ms
+             else "NOT a lower bound in this run: an implementation beat it (its passes stream worse than the fused step)"))
+    lines.append(f"{'implementation':<16} {'ms/step':>8} {'vs optbook':>11} {'vs traffic':>10}")
     for kind in kinds:
         lines.append(f"{kind:<16} {median[kind]:8.1f} {median[kind] / median['optbook']:10.2f}x "
-                     f"{median[kind] / floor_ms:8.2f}x")
+              f"{median[kind] / traffic_ms:9.2f}x")
     ratio = median["optbook"] / baseline
     verdict = "meets" if ratio <= 1.0 else "MISSES"
     lines.append(f"optbook / faster of torch for-loop and foreach = {ratio:.2f} ({verdict} the target <= 1.0); "
-                 f"gap to fused {median['optbook'] / median['torch fused']:.2f}x, "
-                 f"to the floor {median['optbook'] / floor_ms:.2f}x")
+          f"gap to fused {median['optbook'] / median['torch fused']:.2f}x, to the traffic estimate {median['optbook'] / traffic_ms:.2f}x")
     save("bench_adamw", lines, threads=args.threads, rounds=args.rounds, ratio=round(ratio, 2),
-         ms_per_step={k: round(median[k], 1) for k in kinds})
+         traffic_estimate_ms=round(traffic_ms, 1), ms_per_step={k: round(median[k], 1) for k in kinds})
 
 
 if __name__ == "__main__":

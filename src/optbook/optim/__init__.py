@@ -3,7 +3,7 @@
 ``SGD`` (chapter 1), ``Adam`` (chapter 2), ``AdamW`` and ``weight_decay_param_groups`` (chapter 3),
 ``Adafactor``, ``Lion``, ``Shampoo``, ``SOAP`` (chapter 4),
 ``Muon`` (chapter 6), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step``
-(a ``torch.compile``-d Adam/AdamW step, chapter 15); ``NorMuon``, ``AdaMuon``, ``Dion``, ``Scion``,
+(a ``torch.compile``-d Adam/AdamW step, chapter 15), ``compiled_muon_step`` (the same for Muon); ``NorMuon``, ``AdaMuon``, ``Dion``, ``Scion``,
 ``ScheduleFreeAdamW`` (chapter 18, with twins ``normuon``, ``adamuon``, ``dion``, ``scion``, ``schedule_free_adamw``).
 Each class has a pure functional twin that holds the math (``sgd``, ``adam``, ``lion``, ``adafactor``,
 ``shampoo``, ``soap``, ``muon``), as ``torch.optim`` does; the class gathers state and calls it.
@@ -13,7 +13,7 @@ from .adafactor import Adafactor, adafactor
 from .adam import Adam, AdamW, adam
 from .adamuon import AdaMuon, adamuon
 from .chained import ChainedOptimizer
-from .compiled import adam_tensor, compiled_step
+from .compiled import adam_tensor, compiled_muon_step, compiled_step
 from .dion import Dion, dion
 from .lion import Lion, lion
 from .muon import Muon, muon, muon_scale, split_rows
@@ -29,7 +29,7 @@ from .soap import SOAP, soap
 
 __all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo",
            "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo", "adafactor", "adam", "adam_tensor",
-           "classify_parameters", "compiled_step", "format_param_groups", "lion", "muon",
+           "classify_parameters", "compiled_muon_step", "compiled_step", "format_param_groups", "lion", "muon",
            "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows",
            "weight_decay_param_groups",
            # chapter 18, after Muon

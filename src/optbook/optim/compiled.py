@@ -34,8 +34,10 @@ import torch
 from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
 from .chained import ChainedOptimizer
+from .muon import Muon, muon
 
-__all__ = ["CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_step"]
+__all__ = ["CompiledMuonStep", "CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_muon_step",
+           "compiled_step"]
 
 
 def adam_scalars(steps: torch.Tensor, lr: torch.Tensor, *, beta1: float, beta2: float, eps: float,
@@ -237,3 +239,77 @@ def compiled_step(optimizer, **compile_options) -> CompiledStep:
     for opt in targets:
         opt.compiled = step
     return step
+
+
+# ---------------------------------------------------------------- a compiled Muon step
+
+class CompiledMuonStep:
+    """``step(closure=None)`` of a :class:`~optbook.optim.Muon` whose arithmetic runs through a compiled
+    :func:`optbook.optim.muon` (momentum, the batched Newton–Schulz calls, the scaled update).
+
+    Made by :func:`compiled_muon_step`. Attributes: ``optimizer`` (the wrapped Muon, whose ``state`` and
+    ``param_groups`` are used as by its own ``step``) and ``kernel`` (the ``torch.compile``-d ``muon``).
+    """
+
+    def __init__(self, optimizer, **compile_options):
+        self.optimizer = optimizer
+        self.kernel = torch.compile(muon, fullgraph=True, **compile_options)
+
+    @torch.no_grad()
+    def __call__(self, closure=None):
+        opt = self.optimizer
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        opt._validate()   # every group and gradient checked before anything is written, as opt.step()
+        for group in opt.param_groups:
+            group = opt._read_floats(group)
+            params = [p for p in group["params"] if p.grad is not None and p.numel()]
+            if not params:
+                continue
+            # lr as a 0-d tensor on the parameters' device: a new value is new data, not a new graph
+            lr = torch.tensor(float(group["lr"]), dtype=torch.float32, device=params[0].device)
+            opt._step_group({**group, "params": params, "lr": lr}, update=self.kernel)
+        return loss
+
+
+def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
+    """A ``step`` for an :class:`~optbook.optim.Muon` compiled once by ``torch.compile``, not again when
+    ``lr`` changes (a schedule).
+
+    Use it in place of ``optimizer.step`` (as :func:`compiled_step` for Adam/AdamW)::
+
+        opt = optbook.optim.Muon(muon_params, lr=0.02, ns_algorithm="auto")
+        step = optbook.optim.compiled_muon_step(opt)
+        for batch in data:
+            loss(model, batch).backward()
+            step()                  # first call compiles; later calls reuse the graph
+            opt.zero_grad()
+
+    What is compiled is :func:`optbook.optim.muon` itself: the momentum lerps, the stacking of equal
+    shapes, each batched :func:`optbook.newton_schulz` call and the scaled update, with ``lr`` passed as
+    a 0-d float32 tensor (a Python float would be a constant of the graph, guarded by value: one
+    recompile per learning rate). What still recompiles: a change of the other hyperparameters (Python
+    constants of the graph), of the set of parameters that have a gradient, or of their shapes and
+    dtypes. Validation and state initialisation are the optimizer's own, eager, before anything is
+    written. ``gram="symmetric"`` (Triton kernels) is not supported here.
+
+    Args:
+        optimizer: an ``optbook.optim.Muon``.
+        compile_options: passed to ``torch.compile``.
+
+    Returns:
+        A :class:`CompiledMuonStep`, callable as ``step(closure=None)``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optbook Muon.
+        ValueError: a group uses ``gram="symmetric"``.
+    """
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"Invalid optimizer: compiled_muon_step supports optbook.optim.Muon, "
+                        f"got {type(optimizer).__name__}")
+    if any(g["gram"] != "plain" for g in optimizer.param_groups):
+        raise ValueError("Invalid gram: compiled_muon_step needs gram='plain' in every group (the symmetric "
+                         "Triton kernels are not traced)")
+    return CompiledMuonStep(optimizer, **compile_options)

@@ -130,35 +130,49 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
             eps, ns_dtype, head_split, gram, ns_algorithm: as in :class:`Muon`; not re-validated here.
 
-    Blocks of equal shape are orthogonalised in one batched :func:`optbook.newton_schulz` call; a block
-    whose shape no other block shares is passed as it is (no stack), and every orthogonalised block is
-    subtracted straight from its rows of the parameter (no concatenation).
+    ``lr`` may also be a 0-d tensor (what :func:`optbook.optim.compiled_muon_step` passes, so that a new
+    learning rate is new data for a compiled graph, not a new constant).
+
+    Blocks of equal shape up to a transpose (an MLP's ``(4d, d)`` and ``(d, 4d)``) are orthogonalised in
+    one batched :func:`optbook.newton_schulz` call; a block whose shape no other block shares is passed as
+    it is (no stack), and every orthogonalised block is subtracted straight from its rows of the
+    parameter (no concatenation).
     """
     if not params:
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
 
-    # cut into row blocks (views), gather equal shapes, orthogonalise each shape in one call: a shape
-    # held by several blocks is stacked into one batch, a shape held by one block goes in as it is
+    # cut into row blocks (views) and gather them by shape up to a transpose: a tall (4d, d) block goes into
+    # the same batch as the wide (d, 4d) ones, transposed (newton_schulz works on the wide orientation
+    # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
+    # stacked into one batch, one held by a single block goes in as it is.
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
     by_shape = defaultdict(list)
     for i, bs in enumerate(blocks):
         for j, b in enumerate(bs):
-            by_shape[tuple(b.shape)].append((i, j))
-    for shape, where in by_shape.items():
-        batch = blocks[where[0][0]][where[0][1]] if len(where) == 1 else torch.stack([blocks[i][j] for i, j in where])
-        algorithm = ns_algorithm if ns_algorithm != "auto" else (
-            "gram" if max(shape) >= GRAM_ASPECT * min(shape) else "standard")
+            by_shape[min(b.shape), max(b.shape)].append((i, j, b.shape[0] > b.shape[1]))
+    ortho = {}
+    for (m, n), where in by_shape.items():
+        wide = [blocks[i][j].mT if tall else blocks[i][j] for i, j, tall in where]
+        # (contiguous either way, so that a block's norm is summed in the same order alone and in a stack)
+        batch = wide[0].contiguous() if len(where) == 1 else torch.stack(wide)
+        algorithm = ns_algorithm if ns_algorithm != "auto" else ("gram" if n >= GRAM_ASPECT * m else "standard")
         O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
                           dtype=ns_dtype, gram=gram, algorithm=algorithm)
-        O.mul_(muon_scale(shape, scale_mode, extra_scale_factor))  # O is a fresh tensor
-        for k, (i, j) in enumerate(where):
-            blocks[i][j] = O if len(where) == 1 else O[k]
-    for p, bs in zip(params, blocks):
+        for k, (i, j, tall) in enumerate(where):
+            o = O if len(where) == 1 else O[k]
+            o = o.mT if tall else o
+            o.mul_(muon_scale(tuple(o.shape), scale_mode, extra_scale_factor))  # O is a fresh tensor
+            ortho[i, j] = o
+    for i, (p, bs) in enumerate(zip(params, blocks)):
         p.mul_(1 - lr * weight_decay)
         row = 0
-        for b in bs:  # each block straight into its rows of p: no concatenated copy
-            p.narrow(0, row, b.shape[0]).sub_(b, alpha=lr)
+        for j, b in enumerate(bs):  # each block straight into its rows of p: no concatenated copy
+            rows = p.narrow(0, row, b.shape[0])
+            if isinstance(lr, torch.Tensor):   # a 0-d tensor (a compiled step): data, not a graph constant
+                rows.addcmul_(ortho[i, j], lr, value=-1)
+            else:
+                rows.sub_(ortho[i, j], alpha=lr)
             row += b.shape[0]
 
 
@@ -189,7 +203,7 @@ class Muon(BookOptimizer):
             :func:`optbook.newton_schulz`'s ``algorithm``: the same polynomials, other roundings) or
             ``"auto"`` (Gram for blocks with aspect ratio ``>= 4``, such as an MLP's 4d x d matrices).
 
-    Blocks of equal shape across the group are orthogonalised in one batched call.
+    Blocks of equal shape (up to a transpose) across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
 
     Raises:
@@ -251,12 +265,13 @@ class Muon(BookOptimizer):
             if isinstance(p, torch.Tensor) and p.ndim == 2:
                 split_rows(p.shape[0], group["head_split"])
 
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, group: dict, update=muon) -> None:
+        """One group's step through ``update`` (:func:`muon`, or the compiled one of ``compiled_muon_step``)."""
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        muon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+        update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
              lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
