@@ -1,0 +1,69 @@
+/* What a reader needs from the page at any width (tests/test_site.py checks each in headless Chromium).
+
+1. Navigation buttons. sphinx-book-theme renders the sidebar toggles twice: once in the theme's top bar,
+   which it hides, and once in the article header, which the reader sees. pydata-sphinx-theme binds its
+   handler (open the sidebar as a dialog below 992 px) to the first `.primary-toggle` and
+   `.secondary-toggle` in the document, the hidden ones (pydata-sphinx-theme#2451), so a tap on a visible
+   button only showed its tooltip. Each visible button here forwards its click to the bound one, where
+   sphinx-book-theme's own handler collapses the sidebar on wide screens instead.
+2. Display equations that are wider than the column are scaled down to fit it (to no less than 60 %),
+   after MathJax has typeset them and again when the window changes size.
+*/
+(function () {
+  "use strict";
+
+  function forwardToggles() {
+    ["primary-toggle", "secondary-toggle"].forEach(function (name) {
+      var all = document.querySelectorAll("." + name);
+      var bound = all[0];
+      Array.prototype.slice.call(all, 1).forEach(function (button) {
+        button.addEventListener("click", function (event) {
+          event.preventDefault();
+          event.stopPropagation();
+          if (window.bootstrap && bootstrap.Tooltip) {
+            var tip = bootstrap.Tooltip.getInstance(button);
+            if (tip) tip.hide();
+          }
+          button.blur();
+          bound.click();
+        });
+      });
+    });
+  }
+
+  var MIN_SCALE = 0.6;
+
+  function fitEquations() {
+    document.querySelectorAll('mjx-container[display="true"]').forEach(function (box) {
+      var math = box.querySelector("mjx-math");
+      if (!math) return;
+      box.style.fontSize = "";
+      var room = box.getBoundingClientRect().width;
+      var need = math.getBoundingClientRect().width;
+      if (room > 0 && need > room) {
+        box.style.fontSize = Math.max(MIN_SCALE, Math.floor((room / need) * 1000) / 1000) * 100 + "%";
+      }
+    });
+  }
+
+  function whenTypeset(callback, tries) {
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      MathJax.startup.promise.then(callback);
+    } else if (tries > 0) {
+      setTimeout(function () { whenTypeset(callback, tries - 1); }, 100);
+    }
+  }
+
+  function start() {
+    forwardToggles();
+    whenTypeset(fitEquations, 100);
+    var pending = null;
+    window.addEventListener("resize", function () {
+      clearTimeout(pending);
+      pending = setTimeout(fitEquations, 100);
+    });
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
