@@ -6,8 +6,9 @@
    `.secondary-toggle` in the document, the hidden ones (pydata-sphinx-theme#2451), so a tap on a visible
    button only showed its tooltip. Each visible button here forwards its click to the bound one, where
    sphinx-book-theme's own handler collapses the sidebar on wide screens instead.
-2. Display equations that are wider than the column are scaled down to fit it (to no less than 60 %),
-   after MathJax has typeset them and again when the window changes size.
+2. Formulas wider than the column (display equations, and inline ones longer than a line) are scaled
+   down to fit it (to no less than 60 %), after MathJax has typeset them and again when the window
+   changes size.
 */
 (function () {
   "use strict";
@@ -34,11 +35,14 @@
   var MIN_SCALE = 0.6;
 
   function fitEquations() {
-    document.querySelectorAll('mjx-container[display="true"]').forEach(function (box) {
+    document.querySelectorAll("mjx-container").forEach(function (box) {
       var math = box.querySelector("mjx-math");
       if (!math) return;
       box.style.fontSize = "";
-      var room = box.getBoundingClientRect().width;
+      var display = box.getAttribute("display") === "true";
+      var column = display ? box : box.parentElement.closest("p, li, dd, td, div, figcaption");
+      if (!column) return;
+      var room = column.getBoundingClientRect().width;
       var need = math.getBoundingClientRect().width;
       if (room > 0 && need > room) {
         box.style.fontSize = Math.max(MIN_SCALE, Math.floor((room / need) * 1000) / 1000) * 100 + "%";
