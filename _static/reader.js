@@ -9,6 +9,9 @@
 2. Formulas wider than the column (display equations, and inline ones longer than a line) are scaled
    down to fit it (to no less than 60 %), after MathJax has typeset them and again when the window
    changes size.
+3. Code lines longer than the column wrap with a hanging indent (the continuation starts four columns
+   right of the line's own indentation) instead of at column 0. Each line of a cell's source becomes a
+   block of its own; a block whose highlighting spans several lines (a docstring) is left as it is.
 */
 (function () {
   "use strict";
@@ -30,6 +33,26 @@
         });
       });
     });
+  }
+
+  function hangingIndents() {
+    document.querySelectorAll("div.cell_input div.highlight pre, div.highlight-python pre, div.highlight-ipython3 pre")
+      .forEach(function (pre) {
+        if (pre.dataset.lines) return;
+        var lines = pre.innerHTML.split("\n");
+        var balanced = lines.every(function (line) {
+          return (line.match(/<span\b/g) || []).length === (line.match(/<\/span>/g) || []).length;
+        });
+        if (!balanced) return;
+        if (lines.length && lines[lines.length - 1] === "") lines.pop();
+        pre.innerHTML = lines.map(function (line) {
+          var text = line.replace(/<[^>]*>/g, "");
+          var indent = text.length - text.replace(/^ +/, "").length + 4;
+          return '<span class="code-line" style="padding-left:' + indent + "ch;text-indent:-" + indent + 'ch">' +
+            line + "\n</span>";
+        }).join("");
+        pre.dataset.lines = "1";
+      });
   }
 
   var MIN_SCALE = 0.6;
@@ -60,6 +83,7 @@
 
   function start() {
     forwardToggles();
+    hangingIndents();
     whenTypeset(fitEquations, 100);
     var pending = null;
     window.addEventListener("resize", function () {

@@ -179,6 +179,13 @@ Promise.all(settled).then(() => done({
 """
 
 
+def _desktop(driver):
+    """The window the per-page checks use (a test before may have emulated a phone)."""
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
+    driver.set_window_size(1280, 900)
+
+
 def _severe(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -212,6 +219,7 @@ def _overflowing_code(driver) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_page_in_browser(page, browser, server):
+    _desktop(browser)
     url = urljoin(server, f"{page}.html")
     _open(browser, url)
 
@@ -319,8 +327,21 @@ done(out);
 """
 
 
+def _set_width(driver, width: str):
+    """A desktop window, or a phone: its viewport (CSS pixels), as a mobile device with touch input."""
+    w, h = WIDTHS[width]
+    driver.set_window_size(max(w, 500), h)  # headless Chromium keeps its window at least 500 px wide
+    if width == "phone":
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": True})
+        driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": True, "maxTouchPoints": 5})
+    else:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
+
+
 def _reader_view(driver, url: str, width: str, name: str) -> dict:
-    driver.set_window_size(*WIDTHS[width])
+    _set_width(driver, width)
     _open(driver, url)
     driver.execute_async_script(MATHJAX_JS)
     time.sleep(0.1)  # MathJax's own resize handling and the page's scripts after typesetting
@@ -370,7 +391,7 @@ _VISIBLE_BUTTONS = ("return Array.from(document.querySelectorAll(arguments[0]))"
 def test_navigation_on_a_phone(page, browser, server):
     """At 390 px a tap on the visible contents button opens the book's contents, and a tap on the
     page-contents button opens this page's sections, each in a panel a reader can see."""
-    browser.set_window_size(*WIDTHS["phone"])
+    _set_width(browser, "phone")
     problems = []
     for button, panel, link in (("primary-toggle", "pst-primary-sidebar-modal", "nav.bd-docs-nav a"),
                                 ("secondary-toggle", "pst-secondary-sidebar-modal", "a.nav-link")):
@@ -393,7 +414,7 @@ def test_navigation_on_a_phone(page, browser, server):
 
 def test_sidebar_collapses_on_a_desktop(browser, server):
     """At 1400 px the visible contents button hides the book's contents and shows them again."""
-    browser.set_window_size(*WIDTHS["desktop"])
+    _set_width(browser, "desktop")
     _open(browser, urljoin(server, "book/02_adam.html"))
     shown = "return document.getElementById('pst-primary-sidebar').checkVisibility({checkVisibilityCSS: true})"
     assert browser.execute_script(shown)
@@ -409,6 +430,7 @@ def test_sidebar_collapses_on_a_desktop(browser, server):
 
 
 def test_search_finds_newton(browser, server):
+    _desktop(browser)
     _open(browser, urljoin(server, "search.html?q=Newton"))
     start = time.monotonic()
     hits: list[str] = []
