@@ -7,7 +7,12 @@ message (JavaScript errors, failed loads), MathJax has typeset every formula wit
 ``<img>`` loaded with a non-zero natural size, every figure's image has alt text (its caption, not its
 file name), no code or output block is wider than its box (long lines wrap; chapter 7 also in a
 phone-sized window), and the repository, launch (Colab, Binder) and download
-buttons are present with the URL set in ``_config.yml``. Also: the search page finds "Newton", and every
+buttons are present with the URL set in ``_config.yml``. What a reader sees, at 1400 px and on a 390 px
+phone (emulated, with touch): every display equation fits its box, nothing is wider than the window, no
+solution or solution check shows before its drop-down is opened, no cell prints a bare return value,
+every interactive figure redraws when its slider moves; on a phone a tap on either sidebar button opens
+its panel, and on a desktop the contents button collapses the sidebar. Screenshots of the top of every
+page at both widths go to ``_build/screenshots/<desktop|phone>/``. Also: the search page finds "Newton", and every
 internal link and anchor of every built page resolves (this one needs no browser). Screenshots of two pages
 go to ``_build/test-artifacts/``.
 
