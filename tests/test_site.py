@@ -315,9 +315,9 @@ document.querySelectorAll('.admonition').forEach(a => {
   if (!a.classList.contains('dropdown')) out.closed.push('not a drop-down: ' + text(title));
   else if (body.some(visible)) out.closed.push('open before a click: ' + text(title));
 });
-document.querySelectorAll('.cell_output .output.text_plain').forEach(o => {
+document.querySelectorAll('.cell_output .output.text_plain').forEach(o => {  // the pre: not the copy button
   if (/^[\s(\[]*([-+]?(\d[\d_,]*\.?\d*|\.\d+)(e[-+]?\d+)?|True|False|None|nan|inf)([\s,)\]]*([-+]?(\d[\d_,]*\.?\d*)(e[-+]?\d+)?|True|False|nan|inf))*[\s,)\]]*$/i
-      .test(o.textContent)) out.bare.push(text(o));
+      .test((o.querySelector('pre') || o).textContent)) out.bare.push(text(o.querySelector('pre') || o));
 });
 document.querySelectorAll('.optbook-interactive').forEach((fig, i) => {
   const input = fig.querySelector('input[type=range]'), plot = fig.querySelector('svg');
