@@ -54,7 +54,41 @@ def caption_alt_text(app, doctree, docname):
                 image["alt"] = text
 
 
+# LaTeX that pybtex leaves in a bibliography entry's text (it renders only accents and braces): commands
+# with their argument in braces already stripped (``\texttt XXT``), thin spaces, inline math.
+_LATEX_TEXT = [
+    (r"\\(?:texttt|textit|textbf|emph|text|mathrm|operatorname)\s*", ""),
+    (r"\\,", "\u2009"),
+    (r"\\propto\s*", "\u221d "),
+    (r"\\max\s*", "max "),
+    (r"\\min\s*", "min "),
+    (r"\\times\s*", "\u00d7 "),
+    (r"\\approx\s*", "\u2248 "),
+    (r"\\&", "&"),
+    (r"\^2\b", "\u00b2"),
+    (r"\$", ""),
+]
+
+
+def plain_bibliography(app, doctree, docname):
+    """Bibliography entries without raw LaTeX: what pybtex leaves is rewritten as plain text."""
+    import re
+
+    from docutils import nodes
+
+    if not any(isinstance(n, nodes.citation) for n in doctree.findall(nodes.citation)):
+        return
+    for citation in doctree.findall(nodes.citation):
+        for text in list(citation.findall(nodes.Text)):
+            new = str(text)
+            for pattern, repl in _LATEX_TEXT:
+                new = re.sub(pattern, repl, new)
+            if new != str(text):
+                text.parent.replace(text, nodes.Text(new))
+
+
 def setup(app):
     app.connect("doctree-resolved", caption_alt_text)
+    app.connect("doctree-resolved", plain_bibliography)
     app.connect("html-page-context", dedupe_scripts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

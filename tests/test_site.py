@@ -7,7 +7,12 @@ message (JavaScript errors, failed loads), MathJax has typeset every formula wit
 ``<img>`` loaded with a non-zero natural size, every figure's image has alt text (its caption, not its
 file name), no code or output block is wider than its box (long lines wrap; chapter 7 also in a
 phone-sized window), and the repository, launch (Colab, Binder) and download
-buttons are present with the URL set in ``_config.yml``. Also: the search page finds "Newton", and every
+buttons are present with the URL set in ``_config.yml``. What a reader sees, at 1400 px and on a 390 px
+phone (emulated, with touch): every display equation fits its box, nothing is wider than the window, no
+solution or solution check shows before its drop-down is opened, no cell prints a bare return value,
+every interactive figure redraws when its slider moves; on a phone a tap on either sidebar button opens
+its panel, and on a desktop the contents button collapses the sidebar. Screenshots of the top of every
+page at both widths go to ``_build/screenshots/<desktop|phone>/``. Also: the search page finds "Newton", and every
 internal link and anchor of every built page resolves (this one needs no browser). Screenshots of two pages
 go to ``_build/test-artifacts/``.
 
@@ -41,6 +46,10 @@ REQUIRE = os.environ.get("OPTBOOK_REQUIRE_SITE", "") not in ("", "0")
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER", shutil.which("chromedriver") or "/usr/bin/chromedriver")
 SCREENSHOTS = {"book/00_preface": "preface.png", "book/06_muon": "06_muon.png"}
+# What a reader sees, checked at a desktop width and at a phone's (CSS pixels, as a phone reports them).
+# A screenshot of the top of every page at both widths goes to _build/screenshots/<width>/ (CI artefacts).
+WIDTHS = {"desktop": (1400, 900), "phone": (390, 844)}
+SHOTS = ROOT / "_build" / "screenshots"
 PAGE_TIMEOUT = 30  # seconds for a page's load, MathJax and images
 
 # The browser test checks a built site, which the unit-test run (`make test`) neither builds nor keeps
@@ -175,6 +184,13 @@ Promise.all(settled).then(() => done({
 """
 
 
+def _desktop(driver):
+    """The window the per-page checks use (a test before may have emulated a phone)."""
+    driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
+    driver.set_window_size(1280, 900)
+
+
 def _severe(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -206,18 +222,9 @@ def _overflowing_code(driver) -> list[str]:
         ".filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.split('\\n')[0].slice(0, 60))")
 
 
-def test_code_wraps_in_a_narrow_window(browser, server):
-    """A phone-sized window: the longest code lines of chapter 7 wrap instead of being cut off."""
-    browser.set_window_size(480, 900)
-    try:
-        _open(browser, urljoin(server, "book/07_muon_at_scale.html"))
-        assert _overflowing_code(browser) == []
-    finally:
-        browser.set_window_size(1280, 900)
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_page_in_browser(page, browser, server):
+    _desktop(browser)
     url = urljoin(server, f"{page}.html")
     _open(browser, url)
 
@@ -266,7 +273,169 @@ def test_page_in_browser(page, browser, server):
     assert problems == [], f"{page}:\n" + "\n".join(problems)
 
 
+# What the reader sees at one width, after MathJax has typeset the page: display equations whose content
+# is wider than their box; elements that reach past the viewport (the page scrolls sideways); outputs
+# visible in the Exercises section (a solution or a check of one shown before its drop-down is opened);
+# Solution admonitions that are not closed drop-downs; outputs that are a bare return value (a number,
+# a bool or a tuple of them, which a cell's last line prints); interactive figures.
+READER_JS = r"""
+const done = arguments[arguments.length - 1];
+const vw = document.documentElement.clientWidth;
+const visible = (el) => el.checkVisibility ? el.checkVisibility({checkVisibilityCSS: true})
+                                            : el.offsetParent !== null;
+const text = (el, n) => (el.textContent || '').replace(/\s+/g, ' ').trim().slice(0, n || 70);
+const clips = (el) => {  // inside a box that scrolls sideways (a wide table's container, a dialog)
+  for (let a = el.parentElement; a && !a.classList.contains('bd-main'); a = a.parentElement) {
+    if (['auto', 'scroll'].includes(getComputedStyle(a).overflowX) || a.tagName === 'DIALOG') return true;
+  }
+  return false;
+};
+const out = {equations: [], wide: [], answers: [], closed: [], bare: [], interactive: []};
+document.querySelectorAll('mjx-container[display="true"]').forEach(c => {
+  const m = c.querySelector('mjx-math'); if (!m || !visible(c)) return;
+  const box = c.getBoundingClientRect().width, w = m.getBoundingClientRect().width;
+  if (w > box + 1) out.equations.push(`${Math.round(w)} px in ${Math.round(box)} px: ` +
+    text(c.closest('.math') || c, 60));
+});
+document.querySelectorAll('.bd-main *').forEach(el => {
+  const r = el.getBoundingClientRect(), up = el.parentElement.getBoundingClientRect();
+  if (el.closest('mjx-assistive-mml') || up.right > vw + 1) return;  // report the outermost element only
+  if (r.width > 0 && r.right > vw + 1 && visible(el) && !clips(el))
+    out.wide.push(`${el.tagName.toLowerCase()}.${el.className || ''} to ${Math.round(r.right)} px: ${text(el, 50)}`);
+});
+out.wide = out.wide.slice(0, 10);
+const exercises = document.querySelector('section#exercises, section[id^="exercises"]');
+if (exercises) exercises.querySelectorAll('.cell_output').forEach(o => {
+  if (visible(o) && text(o)) out.answers.push('output: ' + text(o));
+});
+document.querySelectorAll('.admonition').forEach(a => {
+  const title = a.querySelector('.admonition-title');
+  if (!title || !/^Solutions?\b/.test(text(title))) return;
+  const body = Array.from(a.children).filter(c => !c.classList.contains('admonition-title'));
+  if (!a.classList.contains('dropdown')) out.closed.push('not a drop-down: ' + text(title));
+  else if (body.some(visible)) out.closed.push('open before a click: ' + text(title));
+});
+document.querySelectorAll('.cell_output .output.text_plain').forEach(o => {  // the pre: not the copy button
+  if (/^[\s(\[]*([-+]?(\d[\d_,]*\.?\d*|\.\d+)(e[-+]?\d+)?|True|False|None|nan|inf)([\s,)\]]*([-+]?(\d[\d_,]*\.?\d*)(e[-+]?\d+)?|True|False|nan|inf))*[\s,)\]]*$/i
+      .test((o.querySelector('pre') || o).textContent)) out.bare.push(text(o.querySelector('pre') || o));
+});
+document.querySelectorAll('.optbook-interactive').forEach((fig, i) => {
+  const input = fig.querySelector('input[type=range]'), plot = fig.querySelector('svg');
+  if (!input || !plot) { out.interactive.push(`figure ${i}: no slider or no plot`); return; }
+  const before = plot.innerHTML;
+  input.value = input.value === input.max ? input.min : input.max;
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  if (plot.innerHTML === before) out.interactive.push(`figure ${i}: moving the slider changed nothing`);
+});
+out.count = document.querySelectorAll('.optbook-interactive').length;
+done(out);
+"""
+
+
+def _set_width(driver, width: str):
+    """A desktop window, or a phone: its viewport (CSS pixels), as a mobile device with touch input."""
+    w, h = WIDTHS[width]
+    driver.set_window_size(max(w, 500), h)  # headless Chromium keeps its window at least 500 px wide
+    if width == "phone":
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": True})
+        driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": True, "maxTouchPoints": 5})
+    else:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        driver.execute_cdp_cmd("Emulation.setTouchEmulationEnabled", {"enabled": False})
+
+
+def _reader_view(driver, url: str, width: str, name: str) -> dict:
+    _set_width(driver, width)
+    _open(driver, url)
+    driver.execute_async_script(MATHJAX_JS)
+    time.sleep(0.1)  # MathJax's own resize handling and the page's scripts after typesetting
+    (SHOTS / width).mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(SHOTS / width / f"{name}.png"))
+    return driver.execute_async_script(READER_JS)
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("page", PAGES)
+def test_what_a_reader_sees(page, width, browser, server):
+    """At 1400 and 390 px: equations fit, nothing is wider than the screen, no answer is shown unasked,
+    no bare return value is printed, and every interactive figure answers its slider."""
+    seen = _reader_view(browser, urljoin(server, f"{page}.html"), width, page.replace("/", "_"))
+    problems = [f"display equation wider than its box, {e}" for e in seen["equations"]]
+    problems += [f"wider than the {WIDTHS[width][0]} px window: {w}" for w in seen["wide"]]
+    problems += [f"answer shown before it is asked for: {a}" for a in seen["answers"]]
+    problems += [f"solution {c}" for c in seen["closed"]]
+    problems += [f"bare return value printed: {b}" for b in seen["bare"]]
+    problems += seen["interactive"]
+    assert problems == [], f"{page} at {width} width ({len(problems)}):\n" + "\n".join(problems)
+
+
+def test_interactive_figures(site):
+    """At least three figures with a slider, in the pages (the browser test moves each one)."""
+    pages = [p for p in PAGES if "optbook-interactive" in (site / f"{p}.html").read_text(encoding="utf-8")]
+    assert len(pages) >= 3, f"interactive figures on {pages}"
+
+
+def _tap(driver, element):
+    """A touch tap (pointer type touch), as a phone delivers it."""
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+    from selenium.webdriver.common.actions.pointer_input import PointerInput
+    from selenium.webdriver.common.actions import interaction
+
+    finger = PointerInput(interaction.POINTER_TOUCH, "finger")
+    actions = ActionBuilder(driver, mouse=finger)
+    actions.pointer_action.move_to(element).pointer_down().pause(0.05).pointer_up()
+    actions.perform()
+
+
+_VISIBLE_BUTTONS = ("return Array.from(document.querySelectorAll(arguments[0]))"
+                    ".filter(b => b.checkVisibility({checkVisibilityCSS: true}) && b.getBoundingClientRect().width > 0)")
+
+
+@pytest.mark.parametrize("page", ["book/02_adam", "book/06_muon"])
+def test_navigation_on_a_phone(page, browser, server):
+    """At 390 px a tap on the visible contents button opens the book's contents, and a tap on the
+    page-contents button opens this page's sections, each in a panel a reader can see."""
+    _set_width(browser, "phone")
+    problems = []
+    for button, panel, link in (("primary-toggle", "pst-primary-sidebar-modal", "nav.bd-docs-nav a"),
+                                ("secondary-toggle", "pst-secondary-sidebar-modal", "a.nav-link")):
+        _open(browser, urljoin(server, f"{page}.html"))
+        buttons = browser.execute_script(_VISIBLE_BUTTONS, f".{button}")
+        if len(buttons) != 1:
+            problems.append(f".{button}: {len(buttons)} visible buttons")
+            continue
+        _tap(browser, buttons[0])
+        time.sleep(0.4)
+        state = browser.execute_script(
+            "const d = document.getElementById(arguments[0]);"
+            "const links = d ? Array.from(d.querySelectorAll(arguments[1]))"
+            "  .filter(a => a.checkVisibility({checkVisibilityCSS: true}) && a.getBoundingClientRect().width > 0) : [];"
+            "return {open: !!(d && d.open), links: links.length}", panel, link)
+        if not (state["open"] and state["links"] >= 2):
+            problems.append(f"tap on .{button}: panel #{panel} {state}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_sidebar_collapses_on_a_desktop(browser, server):
+    """At 1400 px the visible contents button hides the book's contents and shows them again."""
+    _set_width(browser, "desktop")
+    _open(browser, urljoin(server, "book/02_adam.html"))
+    shown = "return document.getElementById('pst-primary-sidebar').checkVisibility({checkVisibilityCSS: true})"
+    assert browser.execute_script(shown)
+    buttons = browser.execute_script(_VISIBLE_BUTTONS, ".primary-toggle")
+    assert len(buttons) == 1, f"{len(buttons)} visible contents buttons"
+    buttons[0].click()
+    time.sleep(0.6)
+    assert not browser.execute_script(shown), "the contents are still shown after a click"
+    assert browser.execute_script("return !document.getElementById('pst-primary-sidebar-modal').open")
+    buttons[0].click()
+    time.sleep(0.6)
+    assert browser.execute_script(shown), "the contents do not come back after a second click"
+
+
 def test_search_finds_newton(browser, server):
+    _desktop(browser)
     _open(browser, urljoin(server, "search.html?q=Newton"))
     start = time.monotonic()
     hits: list[str] = []

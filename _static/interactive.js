@@ -1,0 +1,132 @@
+/* Figures with a slider, drawn from data computed when the notebook ran (no kernel, no network).
+
+A notebook cell writes
+  <div class="optbook-interactive"><script type="application/json">{...}</script></div>
+with the JSON
+  {"title": str, "xlabel": str, "ylabel": str, "xlog": bool, "ylog": bool,
+   "xlim": [lo, hi], "ylim": [lo, hi], "x": [...],            (x shared by every curve)
+   "slider": {"label": str, "values": [...], "initial": index},
+   "frames": [{"series": [{"name": str, "y": [...], "color": "#rrggbb", "dash": bool}],
+               "note": str}, ...],                             (one frame per slider value)
+   "fixed": [series drawn in every frame]}
+and this script draws it as an SVG with a range input; moving the slider redraws the curves of that
+frame. The legend sits under the plot, clear of the data. Printing (the PDF) shows the initial frame.
+*/
+(function () {
+  "use strict";
+  var NS = "http://www.w3.org/2000/svg";
+  var W = 640, H = 360, M = {l: 64, r: 16, t: 30, b: 46};
+
+  function el(name, attrs, parent) {
+    var node = document.createElementNS(NS, name);
+    Object.keys(attrs || {}).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    if (parent) parent.appendChild(node);
+    return node;
+  }
+
+  function scale(lim, log, a, b) {
+    var f = log ? Math.log10 : function (v) { return v; };
+    var lo = f(lim[0]), hi = f(lim[1]);
+    return function (v) { return a + (f(v) - lo) / (hi - lo) * (b - a); };
+  }
+
+  function ticks(lim, log) {
+    var out = [];
+    if (log) {
+      for (var e = Math.ceil(Math.log10(lim[0]) - 1e-9); e <= Math.floor(Math.log10(lim[1]) + 1e-9); e++) {
+        out.push(Math.pow(10, e));
+      }
+      return out;
+    }
+    var span = lim[1] - lim[0], step = Math.pow(10, Math.floor(Math.log10(span / 5)));
+    [1, 2, 5, 10].some(function (m) { if (span / (m * step) <= 6) { step *= m; return true; } return false; });
+    for (var v = Math.ceil(lim[0] / step - 1e-9) * step; v <= lim[1] + 1e-9 * span; v += step) {
+      out.push(Math.abs(v) < 1e-12 * span ? 0 : v);
+    }
+    return out;
+  }
+
+  function label(v, log) {
+    if (log) {
+      var e = Math.round(Math.log10(v));
+      return e >= -2 && e <= 3 ? String(Math.pow(10, e)) : "1e" + e;
+    }
+    return String(+v.toPrecision(6));
+  }
+
+  function draw(fig, spec, index) {
+    var svg = fig.querySelector("svg");
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    var frame = spec.frames[index];
+    var series = (spec.fixed || []).concat(frame.series);
+    var legendRows = Math.ceil(series.length / 2);
+    var height = H + 18 * legendRows;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + height);
+    var sx = scale(spec.xlim, spec.xlog, M.l, W - M.r), sy = scale(spec.ylim, spec.ylog, H - M.b, M.t);
+    var axes = el("g", {"font-size": 13, "font-family": "sans-serif", fill: "#222"}, svg);
+    el("rect", {x: M.l, y: M.t, width: W - M.l - M.r, height: H - M.t - M.b, fill: "none", stroke: "#444"}, axes);
+    ticks(spec.xlim, spec.xlog).forEach(function (v) {
+      var x = sx(v);
+      el("line", {x1: x, x2: x, y1: M.t, y2: H - M.b, stroke: "#ddd"}, axes);
+      el("text", {x: x, y: H - M.b + 16, "text-anchor": "middle"}, axes).textContent = label(v, spec.xlog);
+    });
+    ticks(spec.ylim, spec.ylog).forEach(function (v) {
+      var y = sy(v);
+      el("line", {x1: M.l, x2: W - M.r, y1: y, y2: y, stroke: "#ddd"}, axes);
+      el("text", {x: M.l - 6, y: y + 4, "text-anchor": "end"}, axes).textContent = label(v, spec.ylog);
+    });
+    el("text", {x: (M.l + W - M.r) / 2, y: H - 8, "text-anchor": "middle"}, axes).textContent = spec.xlabel;
+    el("text", {x: 14, y: (M.t + H - M.b) / 2, "text-anchor": "middle",
+                transform: "rotate(-90 14 " + (M.t + H - M.b) / 2 + ")"}, axes).textContent = spec.ylabel;
+    el("text", {x: (M.l + W - M.r) / 2, y: 18, "text-anchor": "middle", "font-weight": "bold"}, axes)
+      .textContent = spec.title;
+    var clip = "clip" + Math.random().toString(36).slice(2);
+    var defs = el("defs", {}, svg);
+    el("rect", {x: M.l, y: M.t, width: W - M.l - M.r, height: H - M.t - M.b}, el("clipPath", {id: clip}, defs));
+    var plot = el("g", {"clip-path": "url(#" + clip + ")"}, svg);
+    series.forEach(function (s, i) {
+      var xs = s.x || spec.x, pts = [];
+      s.y.forEach(function (y, j) {
+        if (y !== null && isFinite(y) && (!spec.ylog || y > 0)) {
+          pts.push(sx(xs[j]).toFixed(1) + "," + sy(y).toFixed(1));
+        }
+      });
+      el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000", "stroke-width": 2,
+                      "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
+      var lx = M.l + (i % 2) * (W - M.l) / 2, ly = H + 4 + 18 * Math.floor(i / 2);
+      el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
+                  "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
+      el("text", {x: lx + 34, y: ly + 4}, axes).textContent = s.name;
+    });
+    fig.querySelector(".readout").textContent = spec.slider.label + " = " + spec.slider.values[index] +
+      (frame.note ? "; " + frame.note : "");
+  }
+
+  function setup(fig) {
+    var data = fig.querySelector('script[type="application/json"]');
+    if (!data || fig.querySelector("svg")) return;
+    var spec = JSON.parse(data.textContent);
+    var controls = document.createElement("div");
+    controls.className = "controls";
+    var input = document.createElement("input");
+    input.type = "range";
+    input.min = 0;
+    input.max = spec.slider.values.length - 1;
+    input.step = 1;
+    input.value = spec.slider.initial || 0;
+    input.setAttribute("aria-label", spec.slider.label);
+    var readout = document.createElement("span");
+    readout.className = "readout";
+    controls.appendChild(input);
+    controls.appendChild(readout);
+    fig.appendChild(controls);
+    var svg = el("svg", {role: "img", "aria-label": spec.title}, null);
+    fig.appendChild(svg);
+    input.addEventListener("input", function () { draw(fig, spec, +input.value); });
+    draw(fig, spec, +input.value);
+  }
+
+  function start() { document.querySelectorAll(".optbook-interactive").forEach(setup); }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
