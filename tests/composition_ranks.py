@@ -33,7 +33,7 @@ from optbook.memory import OffloadOptimizer
 from optbook.models import TinyTransformer, attention_modules
 from optbook.optim import AdamW, ChainedOptimizer, Muon, muon_param_groups
 from optbook.optim.param_groups import weight_decay_param_groups
-from optbook.precision import DynamicLossScaler, MixedPrecisionOptimizer
+from optbook.precision import DynamicLossScaler, MixedPrecisionOptimizer, take_up_
 from optbook.qk_clip import qk_clip_
 
 STEPS = 4
@@ -246,9 +246,9 @@ class Reference:
     @torch.no_grad()
     def after_outside_write(self, written) -> None:
         ids = {id(p) for p in written}
-        for p, m in self.pairs:
+        for p, m in self.pairs:  # the documented rule for a float32 copy of a bfloat16 weight
             if id(p) in ids:
-                m.copy_(p)
+                take_up_(m, p)
 
 
 def reference_run(kind: str, plan: Plan, low_precision: bool) -> dict:

@@ -49,3 +49,20 @@ def toc_files(toc: dict) -> list[str]:
             yield from walk(entry.get("sections", []))
 
     return [toc["root"]] + [f for part in toc.get("parts", []) for f in walk(part["chapters"])]
+
+
+def check_readme_section(name: str, generated: str, path=None) -> None:
+    """Compare the README's section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with
+    ``generated`` (the section's body); ``OPTBOOK_UPDATE_README=1`` rewrites the section instead."""
+    import os
+    import pathlib
+
+    path = pathlib.Path(path or pathlib.Path(__file__).resolve().parent.parent / "README.md")
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = path.read_text()
+    i, j = text.index(start) + len(start), text.index(end)
+    body = "\n" + generated.strip("\n") + "\n"
+    if os.environ.get("OPTBOOK_UPDATE_README") == "1":
+        path.write_text(text[:i] + body + text[j:])
+    else:
+        assert text[i:j] == body, f"{path.name}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"

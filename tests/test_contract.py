@@ -11,6 +11,7 @@ live in ``contract_workers.py`` (the launched processes import them by name).
 
 import pytest
 from contract_workers import DISTRIBUTED, SINGLE_PROCESS, distributed_reports, row_report
+from helpers import check_readme_section
 
 from optbook import contract
 from optbook.distributed import launch
@@ -51,3 +52,8 @@ def distributed(tmp_path_factory):
 def test_distributed_row(kind, distributed):
     for rank, report in enumerate(distributed[kind]):
         _assert_ok({f"rank {rank}: {k}": v for k, v in report.items()})
+
+
+def test_the_readme_shows_the_contract_table():
+    check_readme_section("contract-table", "Generated from `optbook.contract.CONTRACT` by `tests/test_contract.py` "
+                         "(`OPTBOOK_UPDATE_README=1` rewrites it).\n\n" + contract.contract_table())

@@ -217,9 +217,9 @@ def test_nan_loss_without_a_scaler_raises_before_any_write_in_bf16():
     assert torch.equal(W, W0) and torch.equal(b, b0) and not any(opt.state.values())
     assert all(torch.equal(m, m0) for m, m0 in zip(opt.master_params(), masters0))
     assert all(m.grad is None for m in opt.master_params())
-    # check_for_nonfinite=False (Megatron's bf16 path without a scaler): the NaN goes through
+    # check_for_nonfinite=False around an optimizer that does not look (torch.optim): the NaN goes through
     W2, b2 = bf16_pair()
-    opt = MixedPrecisionOptimizer(SGD([W2, b2], lr=0.1), check_for_nonfinite=False)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([W2, b2], lr=0.1), check_for_nonfinite=False)
     opt.scale_loss(loss_of(W2, b2, 0) * math.nan).backward()
     assert opt.step() is None and not opt.found_inf and torch.isnan(W2).all()
 

@@ -801,6 +801,34 @@ class OffloadOptimizer(torch.optim.Optimizer):
         sd["skipped_steps"] = self.skipped_steps
         return sd
 
+    def check_state_dict(self, state_dict) -> int:
+        """Everything :meth:`load_state_dict` checks, writing nothing; returns the saved ``skipped_steps``.
+
+        Raises:
+            ValueError: as :meth:`load_state_dict`.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
+        for key in ("state", "param_groups", "master_params"):
+            if key not in state_dict:
+                raise ValueError(f"Invalid state_dict: missing {key!r} (expected an OffloadOptimizer "
+                                 "state dict)")
+        targets = self.master_params()
+        check_optimizer_state_dict(state_dict, [list(g["params"]) for g in self.param_groups],
+                                   [elementwise(self.optimizer_class)] * len(self._params),
+                                   [self.state.get(p, {}) for p in self._params])
+        masters = state_dict["master_params"]
+        if len(masters) != len(targets):
+            raise ValueError(f"Invalid state_dict: it holds {len(masters)} master_params, this optimizer has "
+                             f"{len(targets)}")
+        for i, (a, b) in enumerate(zip(masters, targets)):
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape or not a.is_floating_point():
+                raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
+                                 f"{tuple(getattr(a, 'shape', ()))} and dtype {getattr(a, 'dtype', None)}, "
+                                 f"expected shape {tuple(b.shape)}, floating point")
+        skipped = _check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", 0), 0)
+        return skipped
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` of an ``OffloadOptimizer`` over the same parameters.
 
@@ -818,27 +846,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (:func:`optbook.precision.check_optimizer_state_dict`); a bad ``skipped_steps``. All found
                 before anything is written: parameters, copies and state are then bitwise unchanged.
         """
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
-        for key in ("state", "param_groups", "master_params"):
-            if key not in state_dict:
-                raise ValueError(f"Invalid state_dict: missing {key!r} (expected an OffloadOptimizer "
-                                 "state dict)")
+        skipped = self.check_state_dict(state_dict)
         targets = self.master_params()
-        check_optimizer_state_dict(state_dict, [list(g["params"]) for g in self.param_groups],
-                                   [elementwise(self.optimizer_class)] * len(self._params),
-                                   [self.state.get(p, {}) for p in self._params])
         saved = state_dict["param_groups"]
         masters = state_dict["master_params"]
-        if len(masters) != len(targets):
-            raise ValueError(f"Invalid state_dict: it holds {len(masters)} master_params, this optimizer has "
-                             f"{len(targets)}")
-        for i, (a, b) in enumerate(zip(masters, targets)):
-            if not isinstance(a, torch.Tensor) or a.shape != b.shape or not a.is_floating_point():
-                raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
-                                 f"{tuple(getattr(a, 'shape', ()))} and dtype {getattr(a, 'dtype', None)}, "
-                                 f"expected shape {tuple(b.shape)}, floating point")
-        skipped = _check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", 0), 0)
         with torch.no_grad():
             for g, sg in zip(self.param_groups, saved):
                 g.update({k: v for k, v in sg.items() if k != "params"})

@@ -49,7 +49,8 @@ from collections import OrderedDict
 import torch
 
 from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
-from .optim._validation import check_bool, check_grad, check_int as _check_int, check_number
+from .optim._validation import check_bool, check_grad, check_number
+from .optim._validation import check_int as _check_int
 from .optim.optimizer import BookOptimizer, all_finite
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
@@ -889,8 +890,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 sd = out
         return sd
 
-    def _check_state_dict(self, state_dict) -> int:
-        """Everything :meth:`load_state_dict` checks before writing; returns ``skipped_steps``."""
+    def check_state_dict(self, state_dict) -> int:
+        """Everything :meth:`load_state_dict` checks, writing nothing; returns the saved ``skipped_steps``."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"Invalid state_dict: expected a dict, got {type(state_dict).__name__}")
         missing = [k for k in ("optimizer", "master_params", "loss_scaler") if k not in state_dict]
@@ -946,8 +947,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             out = pre_hook(self, state_dict)
             if out is not None:
                 state_dict = out
-        skipped = self._check_state_dict(state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        skipped = self.check_state_dict(state_dict)
+        inner = state_dict["optimizer"]
+        if self.state_dtype is not None:  # saved in state_dtype: the inner optimizer checks against float32 masters
+            inner = {**inner, "state": {k: {n: v.float() if n != "step" and isinstance(v, torch.Tensor)
+                                            and v.dtype in _LOW_PRECISION else v for n, v in s.items()}
+                                        for k, s in inner["state"].items()}}
+        self.optimizer.load_state_dict(inner)
         if self.state_dtype is not None:  # torch.optim casts loaded state to the parameter's dtype
             self._cast_state(self.state_dtype)
         if self.loss_scaler is not None:

@@ -69,6 +69,12 @@ def _check_like_current(opt: torch.optim.Optimizer, state_dict: dict) -> None:
                                  f"dtype {value.dtype}; the optimizer holds {tuple(held.shape)}, {held.dtype}")
 
 
+def _own_format(opt) -> bool:
+    """Whether a member saves its own state-dict format (a wrapper such as ``MixedPrecisionOptimizer`` or
+    ``OffloadOptimizer``, whose masters or host copies are not in ``torch.optim``'s layout)."""
+    return not isinstance(opt, BookOptimizer) and type(opt).state_dict is not torch.optim.Optimizer.state_dict
+
+
 class ChainedOptimizer(torch.optim.Optimizer):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
@@ -297,9 +303,17 @@ class ChainedOptimizer(torch.optim.Optimizer):
             ValueError, TypeError: naming the member and what does not fit.
         """
         check_state_layout(self.param_groups, state_dict)
+        own = state_dict.get("members", {})
         for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
             try:
-                if isinstance(opt, BookOptimizer):
+                if _own_format(opt):  # a wrapper member: its own dict, saved whole under "members"
+                    if k not in own:
+                        raise ValueError(f"Invalid state_dict: missing state_dict['members'][{k}], the own state "
+                                         f"dict of this {type(opt).__name__}")
+                    check = getattr(opt, "check_state_dict", None)
+                    if check is not None:
+                        check(own[k])
+                elif isinstance(opt, BookOptimizer):
                     opt.check_state_dict(part)
                 else:
                     check_state_layout(opt.param_groups, part)
@@ -308,6 +322,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 raise type(e)(f"{e} (member {k}, {type(opt).__name__}, of the chain)") from e
 
     @torch._disable_dynamo
+    def state_dict(self) -> dict:
+        """PyTorch's layout over every member's groups (``state`` keyed by parameter index over all groups,
+        ``param_groups`` concatenated); a member with a state-dict format of its own (a wrapper keeping
+        masters or host copies) is also saved whole under ``"members"`` (``{member index: its dict}``)."""
+        sd = super().state_dict()
+        own = {k: opt.state_dict() for k, opt in enumerate(self.optimizers) if _own_format(opt)}
+        if own:
+            sd["members"] = own
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by :meth:`state_dict` of a chain with the same members and groups; all or
         nothing.
@@ -326,8 +350,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
             if out is not None:
                 state_dict = out
         self.check_state_dict(state_dict)
-        for opt, part in zip(self.optimizers, self._split_state_dict(state_dict)):
-            opt.load_state_dict(copy.deepcopy(part) if not isinstance(opt, BookOptimizer) else part)
+        for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
+            if _own_format(opt):
+                opt.load_state_dict(state_dict["members"][k])
+            else:
+                opt.load_state_dict(copy.deepcopy(part) if not isinstance(opt, BookOptimizer) else part)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
