@@ -71,6 +71,7 @@ book: setup
 	sed 's/^\(  execute_notebooks:\).*/\1 "$(EXECUTE)"/' _config.yml > _build/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build . --config _build/_config.yml --warningiserror --keep-going
+	cp _static/* _build/html/_static/  # Sphinx skips its static copy when no page is out of date
 
 # The book without solutions, for students: tools/student_build.py writes _build/student/src (solution
 # drop-downs, solution cells and the hidden checks of quoted answers removed); built into _build/student/_build/html.
