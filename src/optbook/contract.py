@@ -72,6 +72,8 @@ __all__ = [
     "ContractRow",
     "NonFiniteGradientError",
     "VersionTracker",
+    "checked_param_groups",
+    "closure_loss",
     "contract_table",
     "elementwise",
     "owner_of",
@@ -169,6 +171,28 @@ def elementwise(optimizer_class) -> bool:
     if flag is not None:
         return bool(flag)
     return optimizer_class in _torch_elementwise()  # the class itself: a subclass may change the math
+
+
+def closure_loss(closure):
+    """The first act of every ``step(closure)``: call ``closure`` (which recomputes the loss and the
+    gradients) with autograd enabled, as ``torch.optim`` optimizers do, and return its loss; ``None``
+    without a closure. Whatever the closure raises propagates before the step has written anything."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def checked_param_groups(optimizer_class, params, defaults: dict) -> tuple[list[dict], dict]:
+    """The param groups a wrapper that steps ``optimizer_class`` itself is built on (ZeRO-1, offload).
+
+    ``optimizer_class(params, **defaults)`` is built once and dropped: the class checks its own
+    hyperparameters and parameters (raising its own ``TypeError``/``ValueError`` before the wrapper changes
+    anything) and fills every group's missing options from its defaults. Returns ``(param_groups,
+    defaults)`` of that instance, the parameters themselves (not copies) in the groups.
+    """
+    template = optimizer_class(params, **defaults)
+    return template.param_groups, template.defaults
 
 
 # --- the contract as data ------------------------------------------------------------------------------------

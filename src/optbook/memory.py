@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
+from .contract import (NonFiniteGradientError, VersionTracker, checked_param_groups, closure_loss,
+                       elementwise, register_owner)
 from .optim import SGD, Adam, AdamW, Lion, Muon
 from .optim._validation import check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
@@ -429,7 +430,7 @@ def _measure(opt, out: Measured, seen: set) -> None:
             out.add("params", buf, seen)
         for buf in opt.grad_buffers.values():
             out.add("grads", buf, seen)
-        for p in opt._params:  # autograd's own .grad tensors (freed by zero_grad)
+        for p in (p for g in opt.param_groups for p in g["params"]):  # autograd's .grad (freed by zero_grad)
             out.add("grads", p.grad, seen)
         for m in opt.master_shards.values():
             out.add("master", m, seen)
@@ -555,11 +556,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise TypeError(f"Invalid host: expected a torch.device or device string, got {host!r}") from e
         if sub_group_numel is not None:
             _check_int("sub_group_numel", sub_group_numel, 1)
-        template = optimizer_class(params, **defaults)   # checks params and hyperparameters
-        groups = template.param_groups
+        groups, filled = checked_param_groups(optimizer_class, params, defaults)
         self._built = False   # add_param_group is allowed while the base class builds the groups
-        super().__init__(groups, template.defaults)
-        del template
+        super().__init__(groups, filled)
         self.optimizer_class = optimizer_class
         self.host = host
         self.offload_fraction = fraction
@@ -690,10 +689,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 ``torch.optim`` class, its constructor raise) or gradient (shape, dtype, device, sparse).
             In every case parameters, state, host copies and byte counters are bitwise unchanged.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._validate()
         self._take_up_outside_writes()
         for opt, owners in self._subs:   # hyperparameters a scheduler may have changed

@@ -48,10 +48,10 @@ from collections import OrderedDict
 
 import torch
 
-from .contract import NonFiniteGradientError, VersionTracker, elementwise, register_owner
+from .contract import NonFiniteGradientError, VersionTracker, closure_loss, elementwise, register_owner
 from .optim._validation import check_bool, check_grad, check_number
 from .optim._validation import check_int as _check_int
-from .optim.optimizer import BookOptimizer, all_finite
+from .optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
            "check_loss_scaler", "check_optimizer_state_dict", "loss_scale_of", "scaled_loss", "take_up_",
@@ -194,9 +194,8 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
         self.min_scale = min_scale
-        self._scale = initial_scale
-        self._growth_tracker = 0
-        self._hysteresis_tracker = hysteresis
+        # The scaler's state (what state_dict saves): the scale and its two counters.
+        self._scale, self._growth_tracker, self._hysteresis_tracker = initial_scale, 0, hysteresis
 
     @property
     def scale(self) -> float:
@@ -757,7 +756,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         scale = self.loss_scale
         if isinstance(self.optimizer, BookOptimizer):  # its hyperparameters (a scheduler may have set them)
             for group in self.optimizer.param_groups:
-                self.optimizer._check_hyperparameters(group)
+                check_hyperparameters(self.optimizer, group)
         for i, (p, _) in enumerate(self._pairs):
             if p.grad is not None:
                 check_grad(p, f"model parameter {i} (float16/bfloat16)")
@@ -836,10 +835,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 Nothing is written in these cases. Another inner optimizer's errors surface from its own
                 ``step``, after the scaler's update.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         scale = self._validate()
         self._take_up_outside_writes()
         if not any(p.grad is not None for p in self._model_params):

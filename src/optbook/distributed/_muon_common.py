@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..contract import NonFiniteGradientError
 from ..optim import muon
 from ..optim._validation import check_int, check_number
-from ..optim.optimizer import all_finite
+from ..optim.optimizer import all_finite, check_hyperparameters
 from ._ranks import global_rank, params_difference
 
 __all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
@@ -70,7 +70,7 @@ def check_muon_state_dict(state_dict, opt) -> int:
         if unknown:
             raise ValueError(f"Invalid state_dict: param group {gi} has the key(s) {unknown}, which Muon's groups "
                              "do not have (a checkpoint of another optimizer?)")
-        opt._check_hyperparameters({**group, **{k: v for k, v in saved.items() if k != "params"}})
+        check_hyperparameters(opt, {**group, **{k: v for k, v in saved.items() if k != "params"}})
         param_of.update(zip(saved["params"], group["params"]))
     for saved_id, entry in saved_state.items():
         p = param_of.get(saved_id)

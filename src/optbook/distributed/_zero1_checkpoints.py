@@ -29,6 +29,19 @@ __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
 SHARDED_FORMAT = "optbook.DistributedOptimizer.sharded/1"
 
 
+def indexed_param_groups(param_groups: list[dict]) -> list[dict]:
+    """``param_groups`` as a state dict stores them: each group's options (deep copies) and its parameters
+    as consecutive integers counted across the groups, numbered as ``torch.optim.Optimizer.state_dict``
+    numbers them."""
+    groups, i = [], 0
+    for g in param_groups:
+        n = len(g["params"])
+        groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                       "params": list(range(i, i + n))})
+        i += n
+    return groups
+
+
 class Zero1Checkpoints:
     """The checkpoint methods of :class:`~optbook.distributed.DistributedOptimizer` (a mixin)."""
 
@@ -87,12 +100,7 @@ class Zero1Checkpoints:
                 state[index] = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
                                     and v.numel() == self.layout.params[index].numel else v)
                                 for k, v in flat_state[index].items()}
-        param_groups, i = [], 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            param_groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
-                                 "params": list(range(i, i + n))})
-            i += n
+        param_groups = indexed_param_groups(self.param_groups)
         return {"state": state, "param_groups": param_groups,
                 "master_params": {k: v.view(self.layout.params[k].shape) for k, v in sorted(masters.items())},
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
@@ -264,12 +272,7 @@ class Zero1Checkpoints:
             it. Padding is not stored. The model's parameters are not included: save them separately (they
             are the same on every rank, e.g. ``model.state_dict()`` on rank 0).
         """
-        groups, i = [], 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
-                           "params": list(range(i, i + n))})
-            i += n
+        groups = indexed_param_groups(self.param_groups)
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "params": [(tuple(r.shape), str(r.dtype)) for r in self.layout.params],
                 "pieces": self._local_pieces(), "param_groups": groups,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..clipping import clip_coefficient
-from ..contract import NonFiniteGradientError
+from ..contract import NonFiniteGradientError, closure_loss
 from ..optim._validation import check_int
 from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
 
@@ -108,10 +108,7 @@ class DistributedChain(torch.optim.Optimizer):
             optbook.contract.NonFiniteGradientError: a mean gradient of either member holds ``inf`` or
                 ``NaN``: every rank raises, nothing written by either member.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         total, bad = self.muon._reduce()
         self.found_inf = bad is not None
         if bad is not None:

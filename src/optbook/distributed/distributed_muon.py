@@ -17,22 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
-from ..contract import VersionTracker, register_owner
+from ..contract import VersionTracker, closure_loss, register_owner
 from ..optim import Muon, muon
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
 from ._collectives import LOW_PRECISION, all_gather, reduce_scatter
-from ._muon_common import (
-    check_max_grad_norm,
-    check_muon_state_dict,
-    consolidate,
-    consolidated_state,
-    first_nonfinite,
-    hyper,
-    nbytes,
-    nonfinite_error,
-    shard_parts,
-)
+from . import _muon_common as common
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 from .zero1 import shard_layout
 
@@ -103,7 +93,7 @@ class DistributedMuon(Muon):
         group, rank, world_size = group_info(process_group)
         if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
-        max_grad_norm = check_max_grad_norm(max_grad_norm)
+        max_grad_norm = common.check_max_grad_norm(max_grad_norm)
         super().__init__(params, **muon_defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(all_params):
@@ -207,10 +197,7 @@ class DistributedMuon(Muon):
             optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
                 naming the parameter, before anything is written.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._take_up_outside_writes()
         has_grad = validate_on_every_rank(self, "DistributedMuon")
         self._consolidated = None
@@ -226,7 +213,7 @@ class DistributedMuon(Muon):
                 shard = self._shard(self.grad_buffers, b)
                 reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                 group=self.process_group)
-                self.comm_bytes["reduce_scatter"] += nbytes(bucket.numel, bucket.dtype)
+                self.comm_bytes["reduce_scatter"] += common.nbytes(bucket.numel, bucket.dtype)
                 shard.div_(self.world_size)
                 shards.append(shard)
         # 2. one global norm and one non-finite flag
@@ -236,12 +223,12 @@ class DistributedMuon(Muon):
         self.comm_bytes["control"] += 16
         self.found_inf = bool(stats[1] > 0)
         if self.found_inf:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
-            bad = first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
+            bad = common.first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
                 p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
             first = torch.tensor([len(self._params) if bad is None else self.pieces[bad].index], device=self.device)
             dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.process_group)
             index = int(first)
-            raise nonfinite_error("DistributedMuon", index, self._params[index])
+            raise common.nonfinite_error("DistributedMuon", index, self._params[index])
         norm = math.sqrt(float(stats[0]))
         self.last_grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm)
@@ -268,7 +255,7 @@ class DistributedMuon(Muon):
                 lo, hi = bucket.shard(self.rank)
                 all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
                             group=self.process_group)
-                self.comm_bytes["gather"] += nbytes(bucket.numel, self.gather_dtype)
+                self.comm_bytes["gather"] += common.nbytes(bucket.numel, self.gather_dtype)
         # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
         for gi, g in enumerate(groups):
             mine = [p for p in self.pieces if self._group_of[p.index] == gi and has_grad[p.index]]
@@ -289,7 +276,7 @@ class DistributedMuon(Muon):
             if bucket.numel:
                 all_gather(self.param_buffers[bucket.dtype][bucket.start:bucket.end],
                             self._shard(self.param_buffers, b), group=self.process_group)
-                self.comm_bytes["all_gather"] += nbytes(bucket.numel, bucket.dtype)
+                self.comm_bytes["all_gather"] += common.nbytes(bucket.numel, bucket.dtype)
         for r, p in zip(self.layout.params, self._params):
             if r.numel:
                 p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
@@ -304,7 +291,7 @@ class DistributedMuon(Muon):
         Raises:
             TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
         """
-        gathered = consolidate(self, self._local_pieces(), to)
+        gathered = common.consolidate(self, self._local_pieces(), to)
         self._consolidated = None if gathered is None else self._assemble(gathered)
 
     def _local_pieces(self) -> list[tuple]:
@@ -334,7 +321,7 @@ class DistributedMuon(Muon):
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        return consolidated_state(self)
+        return common.consolidated_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
@@ -346,7 +333,7 @@ class DistributedMuon(Muon):
                 hyperparameters, state keys, momentum shapes: a checkpoint of another model or optimizer is
                 refused); nothing is loaded then.
         """
-        skipped = check_muon_state_dict(state_dict, self)
+        skipped = common.check_muon_state_dict(state_dict, self)
         super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
                 if "momentum_buffer" in self.state.get(p, {})}
@@ -386,7 +373,7 @@ class DistributedMuon(Muon):
                 message says to pass the list); files saved for other parameter shapes or dtypes (naming the
                 first); what :meth:`load_state_dict` raises. All before anything is loaded.
         """
-        parts = shard_parts(shards, self, SHARDED_FORMAT, "pieces",
+        parts = common.shard_parts(shards, self, SHARDED_FORMAT, "pieces",
                             [(p.index, p.param_start, p.param_end) for p in self.pieces])
         plain = self._assemble([sd["momentum"] for sd in parts])
         plain.update(param_groups=parts[0]["param_groups"], skipped_steps=parts[0]["skipped_steps"])
@@ -412,7 +399,7 @@ def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torc
     Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
     out = [torch.zeros_like(d) for d in directions]
     bufs = [torch.zeros_like(d) for d in directions]
-    options = {**hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+    options = {**common.hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
     muon(out, directions, bufs, **options)
     return [o.neg_() for o in out]
 
@@ -430,9 +417,9 @@ def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype
     out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
     for b in layout.buckets:
         gd = grad_dtype or (torch.float32 if b.dtype in LOW_PRECISION else b.dtype)
-        out["reduce_scatter"] += nbytes(b.numel, gd)
-        out["all_gather"] += nbytes(b.numel, b.dtype)
+        out["reduce_scatter"] += common.nbytes(b.numel, gd)
+        out["all_gather"] += common.nbytes(b.numel, b.dtype)
         if gather_dtype is not None:
-            out["gather"] += nbytes(b.numel, gather_dtype)
+            out["gather"] += common.nbytes(b.numel, gather_dtype)
     out["total"] = out["reduce_scatter"] + out["all_gather"] + out["gather"]
     return out

@@ -62,6 +62,7 @@ from ._muon_common import (
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 from .chain import DistributedChain  # re-exported: the other two classes of chapter 14 have their own modules
 from .distributed_muon import DistributedMuon, zero1_comm_bytes
+from ..contract import closure_loss
 
 __all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
@@ -366,10 +367,7 @@ class LayerWiseMuon(Muon):
             optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
                 naming the parameter, before anything is written.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         total, bad = self._reduce()
         self.found_inf = bad is not None
         if bad is not None:

@@ -11,7 +11,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .workers import _spread_over_ranks
+from .workers import spread_over_ranks
 
 __all__ = [
     "MUON_OPTIONS",
@@ -77,7 +77,7 @@ def muon_grads(params, step: int, rank: int, world_size: int, seed: int = 0) -> 
     and ``None`` elsewhere; ``params[4]`` never has one."""
     mean = muon_mean_grads(params, step, seed)
     gen = _gen(100003 * seed + 1009 * step + 11)
-    return _spread_over_ranks(params, mean, gen, rank, world_size)
+    return spread_over_ranks(params, mean, gen, rank, world_size)
 
 
 def muon_reference(steps: int = 4, seed: int = 0) -> list[torch.Tensor]:

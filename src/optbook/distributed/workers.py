@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "memory_chapter", "sharded_clip_worker", "zero1_chapter",
-           "zero1_grads", "zero1_mean_grads", "zero1_problem", "zero1_reference", "zero1_train"]
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "memory_chapter", "sharded_clip_worker",
+           "spread_over_ranks", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_problem",
+           "zero1_reference", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -123,10 +124,10 @@ def zero1_grads(params: list[torch.Tensor], step: int, rank: int, world_size: in
     if same_on_every_rank:
         return mean
     gen = torch.Generator().manual_seed(100003 * seed + 1009 * step + 7)
-    return _spread_over_ranks(params, mean, gen, rank, world_size)
+    return spread_over_ranks(params, mean, gen, rank, world_size)
 
 
-def _spread_over_ranks(params, mean, gen, rank: int, world_size: int) -> list[torch.Tensor | None]:
+def spread_over_ranks(params, mean, gen, rank: int, world_size: int) -> list[torch.Tensor | None]:
     """Rank ``rank``'s share of the gradients ``mean``: ``g + (rank - (d - 1) / 2) D`` with a dyadic ``D``
     drawn from ``gen`` (so the mean over ranks is exactly ``g``); ``params[1]`` gets ``d g`` on rank 0 only."""
     out = []

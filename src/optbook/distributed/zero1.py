@@ -47,7 +47,7 @@ from .. import contract
 from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
-from ..optim.optimizer import BookOptimizer, all_finite
+from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
 from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
 from ._ranks import check_same_params
@@ -156,8 +156,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         group = dist.group.WORLD if process_group is None else process_group
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         # The class checks its own hyperparameters and parameters and fills every group's defaults.
-        template = optimizer_class(params, **defaults)
-        groups = template.param_groups
+        groups, filled = contract.checked_param_groups(optimizer_class, params, defaults)
         all_params = [p for g in groups for p in g["params"]]
         devices = {p.device for p in all_params}
         if len(devices) > 1:
@@ -174,8 +173,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
 
         # Nothing was changed up to here.
         self._layout = None  # add_param_group is allowed while the base class builds the groups
-        super().__init__(groups, template.defaults)
-        del template
+        super().__init__(groups, filled)
         self.layout = layout
         self._layout = layout
         self.process_group = group
@@ -418,7 +416,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         self.loss_scale  # noqa: B018 -- raises on a bad scale
         if isinstance(self.optimizer, BookOptimizer):
             for group in self.param_groups:
-                self.optimizer._check_hyperparameters(group)
+                check_hyperparameters(self.optimizer, group)
         i = 0
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -513,10 +511,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                 ``inf``/``NaN``: raised on every rank, naming the first such parameter; nothing was written on
                 any rank (a ``ValueError``).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = contract.closure_loss(closure)
         self._consolidated = None
         try:
             self._validate()

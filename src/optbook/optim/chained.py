@@ -20,6 +20,7 @@ from collections.abc import MutableMapping
 import torch
 
 from .optimizer import BookOptimizer, check_state_layout, nonfinite_checked_by_caller, raise_nonfinite
+from ..contract import closure_loss
 
 __all__ = ["ChainedOptimizer"]
 
@@ -243,10 +244,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             ValueError, TypeError: a member's hyperparameter or gradient is invalid; no member has
                 written anything when this happens.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._sync_momentum()
         with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
             for opt in self.optimizers:   # every optbook member validates before any member writes

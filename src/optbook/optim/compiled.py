@@ -35,6 +35,7 @@ from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
 from .chained import ChainedOptimizer
 from .muon import Muon, muon
+from ..contract import closure_loss
 
 __all__ = ["CompiledMuonStep", "CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_muon_step",
            "compiled_step"]
@@ -258,10 +259,7 @@ class CompiledMuonStep:
     @torch.no_grad()
     def __call__(self, closure=None):
         opt = self.optimizer
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         opt._validate()   # every group and gradient checked before anything is written, as opt.step()
         for group in opt.param_groups:
             group = opt._read_floats(group)

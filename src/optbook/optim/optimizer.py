@@ -39,7 +39,7 @@ import inspect
 
 import torch
 
-from ..contract import NonFiniteGradientError
+from ..contract import NonFiniteGradientError, closure_loss
 from ._validation import check_grad, check_matrices, check_params
 
 
@@ -319,10 +319,7 @@ class BookOptimizer(torch.optim.Optimizer):
             ValueError, TypeError: a hyperparameter or gradient is invalid (see the class
                 docstring); nothing has been modified when this happens.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._validate()
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -330,3 +327,17 @@ class BookOptimizer(torch.optim.Optimizer):
                 group = {**group, "params": [p for p in group["params"] if p.numel()]}
             self._step_group(group)
         return loss
+
+
+def check_hyperparameters(optimizer: BookOptimizer, group: dict) -> None:
+    """Check one param group's hyperparameters as ``optimizer.step()`` does, without stepping.
+
+    For a wrapper that runs an optbook optimizer's math itself (ZeRO-1, mixed precision, the Muon wrappers'
+    loads): called before its first write, so that a bad option set by a scheduler or a checkpoint fails
+    with the optimizer's own error. ``group``: a dict with the optimizer's option keys (``"params"`` is
+    not looked at).
+
+    Raises:
+        TypeError, ValueError: an option is invalid (named, as the optimizer's constructor names it).
+    """
+    optimizer._check_hyperparameters(group)
