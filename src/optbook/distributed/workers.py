@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from ..clipping import REPLICATED, clip_grad_norm_, get_grad_norm
 
-__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "memory_chapter", "sharded_clip_worker",
+__all__ = ["chapter_batch", "chapter_mlp", "clip_problem", "max_logits_now", "memory_chapter", "qk_clip_backward",
+           "qk_clip_batch", "qk_clip_model", "sharded_clip_worker",
            "spread_over_ranks", "zero1_chapter", "zero1_grads", "zero1_mean_grads", "zero1_problem",
-           "zero1_reference", "zero1_train"]
+           "zero1_qk_clip", "zero1_reference", "zero1_train"]
 
 
 def clip_problem(seed: int = 0, n_params: int = 6, dtype: torch.dtype = torch.float64
@@ -346,6 +347,143 @@ def zero1_reference(steps: int = 6, seed: int = 0) -> list[torch.Tensor]:
         _set_grads(params, zero1_mean_grads(params, t, seed))
         opt.step()
     return [p.detach() for p in params]
+
+
+def qk_clip_model(seed: int = 0) -> torch.nn.Module:
+    """Chapters 11 and 13's QK-clip model: a one-layer, two-head bfloat16 :class:`~optbook.models.TinyTransformer`
+    (vocabulary 16, width 16, sequences of 8), drawn from ``seed``, its query and key weights multiplied by 12 so
+    that its max logits are a few units (a model whose logits have grown)."""
+    from ..models import TinyTransformer
+
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj"):
+            getattr(model.layers[0].attn, name).weight.mul_(12.0)
+    return model.to(torch.bfloat16)
+
+
+def qk_clip_batch(seed: int = 0) -> torch.Tensor:
+    """Chapters 11 and 13's token batch for :func:`qk_clip_model`: ``(8, 8)`` int64 tokens from ``seed``."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, 16, (8, 8), generator=gen)
+
+
+def qk_clip_backward(model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """One training forward (it records each head's max logit) and backward: next-token cross-entropy."""
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def max_logits_now(model: torch.nn.Module, tokens: torch.Tensor) -> list[float]:
+    """Each head's max pre-softmax logit on ``tokens`` now (a training-mode forward, without gradients, whose
+    recorded maxima are read and reset)."""
+    from ..models import attention_modules
+
+    with torch.no_grad():
+        model(tokens[:, :-1])
+    out = []
+    for attn in attention_modules(model):
+        out += [float(x) for x in attn.max_logits]
+        attn.max_logits = None
+    return out
+
+
+def zero1_qk_clip(rank: int, world_size: int, *, seed: int = 0, tau_fraction: float = 0.6,
+                  lr: float = 1e-2, bucket_size: int = 512) -> dict:
+    """Chapter 13: QK-clip after a ZeRO-1 step of a bfloat16 model, against the single-process
+    mixed-precision run.
+
+    Every rank builds :func:`qk_clip_model` and trains it on :func:`qk_clip_batch` (the same batch on every
+    rank, so the mean gradient is each rank's own) with ``DistributedOptimizer(AdamW, lr, weight decay 0.1)``,
+    buckets of ``bucket_size`` elements and small alignments (1 and 4): at 3 ranks the query and the key
+    weights are each cut across two ranks' float32 master shards. The reference is ``MixedPrecisionOptimizer(AdamW)`` on a copy in the same process. Step 0: a
+    step, then ``qk_clip_`` with ``tau = tau_fraction`` times the largest max logit of step 0. Step 1: a
+    step with ``lr`` 0 (only the copy of the masters into the weights). Step 2: a checkpoint
+    (``sharded_state_dict``), a step, and the same step from a second model and optimizer loaded from the
+    checkpoint.
+
+    Returns:
+        ``"q_pieces"``: ``(first, last + 1)`` element ranges of the flattened query weight in this rank's
+        shard; ``"tau"``; ``"before"``, ``"clipped"``, ``"after_lr0"``: each head's max logit after step 0,
+        after the clip, after step 1; ``"lr0_unchanged"``: step 1 left every weight bitwise as the clip did;
+        ``"masters_match"``, ``"weights_match"``: this rank's master pieces and the model's weights equal
+        the reference's bitwise after steps 0 and 1 and after step 2; ``"resumed_match"``: the resumed
+        step gave bitwise the same weights.
+    """
+    import copy
+
+    from ..models import attention_modules
+    from ..optim import AdamW
+    from ..precision import MixedPrecisionOptimizer
+    from ..qk_clip import qk_clip_
+    from .zero1 import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    model, tokens = qk_clip_model(seed), qk_clip_batch(seed)
+    ref_model = copy.deepcopy(model)
+    layout = {"param_alignment": 1, "bucket_alignment": 4, "bucket_size": bucket_size}
+    opt = DistributedOptimizer(model.parameters(), AdamW, lr=lr, weight_decay=0.1, **layout)
+    ref = MixedPrecisionOptimizer(AdamW(ref_model.parameters(), lr=lr, weight_decay=0.1))
+    params, ref_masters = list(model.parameters()), ref.master_params()
+    q_index = next(i for i, p in enumerate(params) if p is model.layers[0].attn.q_proj.weight)
+
+    def step_both():
+        for m, o in ((model, opt), (ref_model, ref)):
+            m.zero_grad(set_to_none=True)
+            qk_clip_backward(m, tokens)
+            o.step()
+
+    def master_piece(piece):  # the piece's range in this rank's float32 master shard
+        offset = piece.buffer_start - opt.layout.buckets[piece.bucket].shard(rank)[0]
+        return opt.master_shards[piece.bucket][offset:offset + piece.numel]
+
+    def agree() -> tuple[bool, bool]:
+        masters = all(torch.equal(master_piece(piece), ref_masters[piece.index].detach().reshape(-1)[
+            piece.param_start:piece.param_end]) for piece in opt.pieces)
+        weights = all(torch.equal(p, q) for p, q in zip(params, ref_model.parameters()))
+        return masters, weights
+
+    step_both()
+    for m in (model, ref_model):  # the stepped models' own maxima (a training forward records them)
+        for a in attention_modules(m):
+            a.max_logits = None   # drop the running maxima of step 0's forward, taken before the step
+        with torch.no_grad():
+            m(tokens[:, :-1])
+    before = [float(x) for a in attention_modules(model) for x in a.max_logits]
+    tau = tau_fraction * max(before)
+    qk_clip_(model, tau)            # every rank: an all-reduce (max) of the maxima, then each scales its pieces
+    qk_clip_(ref_model, tau)        # the same maxima (same weights, same batch), all-reduced alike
+    clipped_weights = [p.detach().clone() for p in params]
+    clipped = max_logits_now(model, tokens)
+    max_logits_now(ref_model, tokens)
+    for o in (opt, ref):
+        for g in o.param_groups:
+            g["lr"] = 0.0
+    step_both()
+    lr0_unchanged = all(torch.equal(p, c) for p, c in zip(params, clipped_weights))
+    after_lr0 = max_logits_now(model, tokens)
+    max_logits_now(ref_model, tokens)
+    agree_01 = agree()
+
+    for o in (opt, ref):
+        for g in o.param_groups:
+            g["lr"] = lr
+    shards = [None] * world_size
+    dist.all_gather_object(shards, opt.sharded_state_dict())
+    resumed_model = copy.deepcopy(model)
+    resumed = DistributedOptimizer(resumed_model.parameters(), AdamW, lr=lr, weight_decay=0.1, **layout)
+    resumed.load_sharded_state_dict(shards)
+    step_both()
+    resumed_model.zero_grad(set_to_none=True)
+    qk_clip_backward(resumed_model, tokens)
+    resumed.step()
+    agree_2 = agree()
+    q_pieces = [(p.param_start, p.param_end) for p in opt.pieces if p.index == q_index]
+    return {"q_pieces": q_pieces, "tau": tau, "before": before, "clipped": clipped, "after_lr0": after_lr0,
+            "lr0_unchanged": lr0_unchanged, "masters_match": agree_01[0] and agree_2[0],
+            "weights_match": agree_01[1] and agree_2[1],
+            "resumed_match": all(torch.equal(p, q) for p, q in zip(params, resumed_model.parameters()))}
 
 
 def memory_chapter(rank: int, world_size: int, *, seed: int = 0) -> dict:
