@@ -57,3 +57,27 @@ def test_distributed_row(kind, distributed):
 def test_the_readme_shows_the_contract_table():
     check_readme_section("contract-table", "Generated from `optbook.contract.CONTRACT` by `tests/test_contract.py` "
                          "(`OPTBOOK_UPDATE_README=1` rewrites it).\n\n" + contract.contract_table())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_all_finite_finds_every_nonfinite_value_wherever_it_sits(dtype):
+    """The non-finite check of every step: a NaN, +inf or -inf at the start, the middle, or the tail of a
+    vectorised loop (lengths around the vector widths), in a non-contiguous tensor, next to empty tensors."""
+    import torch
+
+    from optbook.optim.optimizer import all_finite
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 4099):
+        for pos in sorted({0, n // 2, n - 1}):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                t = torch.randn(n, generator=gen).to(dt)
+                assert all_finite([torch.empty(0, dtype=dt), t])
+                t[pos] = value
+                assert not all_finite([torch.ones(3, dtype=dt), t]), (n, pos, value)
+        wide = torch.randn(n, 3, generator=gen).to(dt).t()   # non-contiguous
+        wide[1, n - 1] = float("nan")
+        assert not all_finite([wide])
+    big = torch.full((5,), torch.finfo(dt).max, dtype=dt)
+    assert all_finite([big, -big])   # the largest finite values are finite: nothing overflows
