@@ -66,6 +66,8 @@ def save(name: str, lines: list[str], threads: int | None = None, results: Path 
         threads: torch threads per process, as in :func:`environment`.
         data: numbers the README quotes in prose (ratios etc.), stored under ``"data"``.
 
+    An existing record's ``"history"`` (earlier runs, kept by hand) is carried over into the new one.
+
     Returns:
         The path written.
     """
@@ -77,6 +79,10 @@ def save(name: str, lines: list[str], threads: int | None = None, results: Path 
     path = results / f"{name}.json"
     record = {"name": name, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "environment": env, "table": lines, "data": data}
+    if path.exists():  # the earlier runs a record keeps (README tables of past runs) survive a new run
+        history = json.loads(path.read_text()).get("history")
+        if history is not None:
+            record["history"] = history
     path.write_text(json.dumps(record, indent=1) + "\n")
     try:
         shown = path.relative_to(Path.cwd())
