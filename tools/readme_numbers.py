@@ -12,6 +12,7 @@ KEY                      record (written by)
 ``bench:NAME``           ``benchmarks/results/NAME.json`` (``make bench``: each benchmark writes its own)
 ``muon-runs``            the ``history`` of ``benchmarks/results/bench_muon.json``
 ``zero1-targets``        the ``history`` of ``benchmarks/results/bench_zero1.json``
+``adamw-runs``           the ``history`` of ``benchmarks/results/bench_adamw.json``
 ``compiled-runs``        the ``history`` of ``benchmarks/results/bench_compiled_step.json``
 ``pdf``                  ``records/pdf.json`` (``make pdf``: ``tools/build_pdf.py``)
 ``book-link``            ``repository.url`` in ``_config.yml`` (the GitHub Pages address of the built book)
@@ -97,6 +98,17 @@ def zero1_targets() -> str:
         out.append(f"| time <= {bound}x ZeroRedundancyOptimizer, {target} | "
                    f"{', '.join(f'{v:.2f}' for v in values)} | {met} of {len(values)} runs |")
     return "\n".join(out) + "\n"
+
+
+def adamw_runs() -> str:
+    rec = load(RESULTS / "bench_adamw.json")
+    rows = ["| date | runs | load average | source | optbook / faster of torch loop and foreach |",
+            "|---|---|---|---|---|"]
+    for run in rec["history"]:
+        env = run["environment"]
+        rows.append(f"| {env['date']} | {run['what']} | {env['load_average_1min']} | {env.get('note', '')} "
+                    f"| {ratios(run)} |")
+    return "\n".join(rows) + "\n"
 
 
 def compiled_runs() -> str:
@@ -191,7 +203,7 @@ def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
     makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
-              "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "pdf": pdf_block,
+              "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
     if key not in makers:
         raise KeyError(f"README marker numbers:{key} names no record (known: {sorted(makers)} and bench:NAME)")
