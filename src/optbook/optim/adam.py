@@ -32,6 +32,7 @@ import math
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, use_foreach, write_back
+from ._sharded import local
 from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -178,10 +179,12 @@ class _AdamBase(BookOptimizer):
             return
         foreach = use_foreach(group["foreach"], params)
         beta1, beta2 = group["betas"]
-        adam(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
+        # a DTensor (FSDP2 shard) is stepped through its local shard: element-wise, the same arithmetic
+        adam(local(params), local([p.grad for p in params]), local(exp_avgs), local(exp_avg_sqs), steps,
+             lr=group["lr"],
              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
              decoupled_weight_decay=self._decoupled, foreach=foreach, amsgrad=amsgrad,
-             maximize=group["maximize"], max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+             maximize=group["maximize"], max_exp_avg_sqs=local(max_exp_avg_sqs) if amsgrad else None)
 
 
 _ARGS_DOC = """

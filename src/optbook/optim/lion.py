@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ._sharded import local
 from ._validation import check_betas, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -78,5 +79,6 @@ class Lion(BookOptimizer):
             if not self.state[p]:
                 self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
-        lion(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params], lr=group["lr"],
+        lion(local(params), local([p.grad for p in params]),
+             local([self.state[p]["exp_avg"] for p in params]), lr=group["lr"],
              beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])

@@ -40,6 +40,7 @@ import inspect
 import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
+from . import _sharded
 from ._validation import check_grad, check_matrices, check_params
 
 
@@ -88,13 +89,17 @@ def raise_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
     Args:
         named: ``(name, param)`` pairs, every ``param.grad`` a tensor.
     """
-    for where, p in named:
-        if not bool(torch.isfinite(p.grad).all()):
-            kind = "NaN" if bool(p.grad.isnan().any()) else "inf"
+    grads = [p.grad for _, p in named]
+    # (non-finite, holds NaN) per entry; for sharded (DTensor) gradients, agreed over every rank of the mesh
+    flags = torch.tensor([[float(not bool(torch.isfinite(g).all())), float(bool(g.isnan().any()))]
+                          for g in _sharded.local(grads)])
+    flags = _sharded.any_flag_across_meshes(flags, _sharded.meshes(grads))
+    for (where, p), (bad, nan) in zip(named, flags.tolist()):
+        if bad:
             raise NonFiniteGradientError(
-                f"Non-finite gradient in {where} (shape {tuple(p.shape)}, holds {kind}): nothing was written. "
-                "Without a loss scaler a step with an inf/NaN gradient is an error (the step contract, "
-                "optbook.contract); to skip such steps instead, use a loss scaler "
+                f"Non-finite gradient in {where} (shape {tuple(p.shape)}, holds {'NaN' if nan else 'inf'}): "
+                "nothing was written. Without a loss scaler a step with an inf/NaN gradient is an error (the "
+                "step contract, optbook.contract); to skip such steps instead, use a loss scaler "
                 "(optbook.precision.MixedPrecisionOptimizer)")
     raise NonFiniteGradientError("Non-finite gradient: nothing was written")  # pragma: no cover - a race
 
@@ -133,7 +138,21 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     norm overflows at 65504, as scaled gradients' norms do) are the extremes read with ``torch.aminmax``
     per tensor to decide exactly. Empty tensors are skipped. Only the ``bool`` of each
     reduction synchronises.
+
+    ``DTensor`` entries (parameters sharded by FSDP2's ``fully_shard``) are checked on their local shards,
+    and the verdict is then agreed over every rank of their device meshes (an ``all_reduce`` of one flag,
+    so every rank must call this with its shards of the same tensors): one rank's ``inf`` makes every rank
+    return ``False``.
     """
+    device_meshes = _sharded.meshes(tensors)
+    finite = _local_all_finite(_sharded.local(tensors))
+    if device_meshes:  # sharded gradients (FSDP2): one rank's inf is every rank's decision
+        flag = torch.tensor([0.0 if finite else 1.0])
+        finite = not bool(_sharded.any_flag_across_meshes(flag, device_meshes)[0])
+    return finite
+
+
+def _local_all_finite(tensors: list[torch.Tensor]) -> bool:
     by_device: dict = {}
     for t in tensors:
         if t.numel():
@@ -171,6 +190,9 @@ class BookOptimizer(torch.optim.Optimizer):
             check_params(params)
         if self.matrix_hint is not None and not isinstance(params, set):
             check_matrices(params, type(self).__name__, self.matrix_hint)
+        if not self.elementwise and not isinstance(params, set):
+            _sharded.refuse_sharded(params, type(self).__name__, "updates each tensor as a whole (its update "
+                                    "of an element depends on other elements of the matrix)")
         self._check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 

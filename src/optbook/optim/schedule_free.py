@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, write_back
+from ._sharded import local
 from ._validation import (
     check_betas,
     check_bool,
@@ -204,7 +205,8 @@ class ScheduleFreeAdamW(BookOptimizer):
             lrs.append(lr_t)
             ckps.append(c)
         beta1, beta2 = group["betas"]
-        schedule_free_adamw(params, [p.grad for p in params], [self.state[p]["z"] for p in params],
-                            [self.state[p]["exp_avg_sq"] for p in params], steps, lrs, ckps, beta1=beta1,
-                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        schedule_free_adamw(local(params), local([p.grad for p in params]),
+                            local([self.state[p]["z"] for p in params]),
+                            local([self.state[p]["exp_avg_sq"] for p in params]), steps, lrs, ckps,
+                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 

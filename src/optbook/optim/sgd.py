@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, use_foreach, write_back
+from ._sharded import local
 from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -116,6 +117,6 @@ class SGD(BookOptimizer):
             if momentum and "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buffers.append(state.get("momentum_buffer"))
-        sgd(params, [p.grad for p in params], buffers, lr=group["lr"], momentum=momentum,
+        sgd(local(params), local([p.grad for p in params]), local(buffers), lr=group["lr"], momentum=momentum,
             nesterov=group["nesterov"], weight_decay=group["weight_decay"],
             foreach=use_foreach(group["foreach"], params))

@@ -1,0 +1,142 @@
+"""Rank programs of tests/test_fsdp2.py: optbook's element-wise optimizers on FSDP2-sharded parameters.
+
+Each rank builds the same float64 model twice: a plain copy (the single-process reference) and a copy whose
+``nn.Linear`` layers and root are ``fully_shard``-ed (parameters become ``DTensor`` with ``Shard(0)``). Every
+step, the reference computes its gradients on the full batch, and each sharded parameter's gradient is set
+to that same gradient, distributed (its rank's rows): so the only difference between the two runs is the
+optimizer stepping shards instead of whole tensors, and the result must be bitwise the same.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from optbook.contract import NonFiniteGradientError
+from optbook.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, ScheduleFreeAdamW
+
+#: name -> (class, options); every element-wise optimizer of optbook.optim.
+ELEMENTWISE = {
+    "SGD (momentum, Nesterov, weight decay)": (SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "Adam (amsgrad)": (Adam, dict(lr=0.01, amsgrad=True)),
+    "AdamW": (AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "Lion": (Lion, dict(lr=0.003, weight_decay=0.1)),
+    "ScheduleFreeAdamW": (ScheduleFreeAdamW, dict(lr=0.01, warmup_steps=2, weight_decay=0.01)),
+}
+STEPS = 3
+
+
+def make_model() -> nn.Module:
+    """Rows 7 and 2: shards of uneven size at 2, 3 and 4 ranks, and empty shards of the (2, 7) weight at 3 and 4."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+
+
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
+
+
+def set_sharded_grads(sharded: nn.Module, reference: nn.Module) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for p, r in zip(sharded.parameters(), reference.parameters()):
+        p.grad = distribute_tensor(r.grad.detach().clone(), p.device_mesh, p.placements)
+
+
+def full(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def same_state(sharded_opt, ref_opt, sharded: nn.Module, reference: nn.Module) -> bool:
+    for p, r in zip(sharded.parameters(), reference.parameters()):
+        a, b = sharded_opt.state[p], ref_opt.state[r]
+        if a.keys() != b.keys():
+            return False
+        for key in a:
+            x, y = a[key], b[key]
+            if isinstance(y, torch.Tensor) and y.dim():
+                if not torch.equal(full(x), y):
+                    return False
+            elif (float(x) if isinstance(x, torch.Tensor) else x) != (float(y) if isinstance(y, torch.Tensor) else y):
+                return False
+    return True
+
+
+def elementwise_run(rank: int, world_size: int) -> dict:
+    """For each optimizer of :data:`ELEMENTWISE`: ``{"params": bitwise equal to the reference after every
+    step, "state": state bitwise equal after the last step, "eval": for ScheduleFreeAdamW, the eval-mode
+    weights equal too}``; ``"empty_shards"``: how many of this rank's parameters have an empty local shard."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, (cls, options) in ELEMENTWISE.items():
+        reference = make_model()
+        sharded = shard(copy.deepcopy(reference))
+        ref_opt, opt = cls(reference.parameters(), **options), cls(sharded.parameters(), **options)
+        params_ok = True
+        for step in range(STEPS):
+            x, y = batch(step)
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            set_sharded_grads(sharded, reference)
+            ref_opt.step()
+            opt.step()
+            params_ok &= all(torch.equal(full(p.detach()), r.detach()) for p, r in zip(sharded.parameters(),
+                                                                                       reference.parameters()))
+        row = {"params": params_ok, "state": same_state(opt, ref_opt, sharded, reference)}
+        if cls is ScheduleFreeAdamW:
+            ref_opt.eval()
+            opt.eval()
+            row["eval"] = all(torch.equal(full(p.detach()), r.detach())
+                              for p, r in zip(sharded.parameters(), reference.parameters()))
+        out[name] = row
+    out["empty_shards"] = sum(p.to_local().numel() == 0 for p in shard(make_model()).parameters())
+    return out
+
+
+def nonfinite_run(rank: int, world_size: int) -> dict:
+    """A NaN in the last row of the first weight's gradient (the last rank's shard only): every rank raises
+    NonFiniteGradientError naming that parameter, and nothing is written on any rank."""
+    torch.set_num_threads(1)
+    reference = make_model()
+    sharded = shard(copy.deepcopy(reference))
+    opt = AdamW(sharded.parameters(), lr=0.01)
+    x, y = batch(0)
+    nn.functional.mse_loss(reference(x), y).backward()
+    reference[0].weight.grad[-1, 0] = float("nan")
+    set_sharded_grads(sharded, reference)
+    before = [p.detach().to_local().clone() for p in sharded.parameters()]
+    try:
+        opt.step()
+        message = None
+    except NonFiniteGradientError as e:
+        message = str(e)
+    unchanged = all(torch.equal(p.detach().to_local(), b) for p, b in zip(sharded.parameters(), before))
+    holds_nan = bool(sharded[0].weight.grad.to_local().isnan().any())
+    return {"message": message, "unchanged": unchanged, "state": len(opt.state), "holds_nan_locally": holds_nan}
+
+
+def refusal_run(rank: int, world_size: int) -> dict:
+    """Whole-matrix optimizers on sharded parameters: the TypeError each raises (or None)."""
+    sharded = shard(make_model())
+    out = {}
+    for cls in (Muon, Adafactor):
+        params = [p for p in sharded.parameters() if p.dim() == 2]
+        try:
+            cls(params, lr=0.01)
+            out[cls.__name__] = None
+        except TypeError as e:
+            out[cls.__name__] = str(e)
+    return out

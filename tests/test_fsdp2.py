@@ -1,0 +1,51 @@
+"""optbook's element-wise optimizers on parameters sharded by FSDP2 (``fully_shard``: ``DTensor``, ``Shard(0)``).
+
+Each optimizer steps the sharded copy of a float64 model with the reference's own gradients, distributed:
+the parameters after every step and the state after the last are bitwise those of the single-process run,
+at 2, 3 and 4 gloo processes (uneven shards; empty shards at 3 and 4). A NaN in one rank's shard stops every
+rank before anything is written; optimizers that need whole matrices refuse sharded parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fsdp2_ranks import ELEMENTWISE, elementwise_run, nonfinite_run, refusal_run
+
+from optbook.distributed import launch
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def elementwise_reports(request):
+    return request.param, launch(elementwise_run, request.param, timeout=240.0)
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise_optimizer_on_shards_is_bitwise_the_single_process_run(elementwise_reports, name):
+    world_size, reports = elementwise_reports
+    for rank, report in enumerate(reports):
+        row = report[name]
+        assert row["params"], f"{name}: parameters differ at {world_size} ranks (rank {rank})"
+        assert row["state"], f"{name}: state differs at {world_size} ranks (rank {rank})"
+        assert row.get("eval", True), f"{name}: eval-mode weights differ at {world_size} ranks (rank {rank})"
+
+
+def test_the_problem_has_empty_shards_at_3_and_4_ranks(elementwise_reports):
+    world_size, reports = elementwise_reports
+    empty = sum(r["empty_shards"] for r in reports)
+    assert (empty > 0) == (world_size > 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_nan_in_one_shard_stops_every_rank_before_any_write(world_size):
+    reports = launch(nonfinite_run, world_size, timeout=120.0)
+    assert [r["holds_nan_locally"] for r in reports] == [False] * (world_size - 1) + [True]
+    for r in reports:
+        assert r["message"] is not None and "param_groups[0]['params'][0]" in r["message"]
+        assert "NaN" in r["message"]
+        assert r["unchanged"] and r["state"] == 0
+
+
+def test_whole_matrix_optimizers_refuse_sharded_parameters():
+    for report in launch(refusal_run, 2, timeout=120.0):
+        for name in ("Muon", "Adafactor"):
+            assert report[name] is not None and "DTensor" in report[name] and name in report[name]
