@@ -140,3 +140,80 @@ def refusal_run(rank: int, world_size: int) -> dict:
         except TypeError as e:
             out[cls.__name__] = str(e)
     return out
+
+
+# --- Muon ----------------------------------------------------------------------------------------------------
+MUON_OPTIONS = dict(momentum=0.95, nesterov=True, ns_dtype=torch.float64, weight_decay=0.01)
+
+
+def muon_model() -> nn.Module:
+    """Three matrices: (8, 6) split into 2 heads, (9, 8) uneven at 2, 3, 4 ranks, (2, 9) with empty shards."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 9, bias=False), nn.Tanh(),
+                         nn.Linear(9, 2, bias=False)).double()
+
+
+def muon_batch(step: int) -> torch.Tensor:
+    return torch.randn(16, 6, generator=torch.Generator().manual_seed(200 + step), dtype=torch.float64)
+
+
+def muon_groups(model: nn.Module) -> list[dict]:
+    return [{"params": [model[0].weight], "head_split": 2, "lr": 0.02},
+            {"params": [model[2].weight, model[4].weight], "lr": 0.01}]
+
+
+def muon_run(rank: int, world_size: int, *, max_grad_norm=None, accumulate: int = 1) -> dict:
+    """FSDP2Muon against optbook.optim.Muon for 3 steps (``accumulate`` micro-batches per step, the gradients
+    summed by FSDP2 and by the reference alike, then the reference's own summed gradient distributed):
+    ``"diff"``, the largest difference of the parameters after every step (0.0: bitwise); ``"ns_calls"`` on
+    this rank and ``"owned"``, how many matrices it owns; ``"state"``: momentum equal to the reference's."""
+    from optbook.clipping import clip_grad_norm_
+    from optbook.distributed import FSDP2Muon
+
+    torch.set_num_threads(1)
+    reference = muon_model()
+    sharded = shard(copy.deepcopy(reference))
+    ref_opt = Muon(muon_groups(reference), **MUON_OPTIONS)
+    opt = FSDP2Muon(muon_groups(sharded), max_grad_norm=max_grad_norm, **MUON_OPTIONS)
+    diff = 0.0
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        for micro in range(accumulate):
+            reference(muon_batch(10 * step + micro)).pow(2).mean().backward()
+        set_sharded_grads(sharded, reference)
+        if max_grad_norm is not None:
+            clip_grad_norm_(list(reference.parameters()), max_grad_norm)
+        ref_opt.step()
+        opt.step()
+        diff = max(diff, max(float((full(p.detach()) - r.detach()).abs().max())
+                             for p, r in zip(sharded.parameters(), reference.parameters())))
+    state = all(torch.equal(full(opt.state[p]["momentum_buffer"]), ref_opt.state[r]["momentum_buffer"])
+                for p, r in zip(sharded.parameters(), reference.parameters()))
+    return {"diff": diff, "ns_calls": opt.ns_calls, "owned": sum(o == rank for o in opt.owners), "state": state,
+            "last_grad_norm": opt.last_grad_norm}
+
+
+def muon_refusals(rank: int, world_size: int) -> dict:
+    """FSDP2Muon's errors: plain tensors, and a step whose gradient holds NaN in one rank's shard."""
+    from optbook.distributed import FSDP2Muon
+
+    out = {}
+    try:
+        FSDP2Muon(list(muon_model().parameters()), lr=0.01)
+        out["plain"] = None
+    except TypeError as e:
+        out["plain"] = str(e)
+    reference = muon_model()
+    sharded = shard(copy.deepcopy(reference))
+    opt = FSDP2Muon(list(sharded.parameters()), lr=0.01)
+    reference(muon_batch(0)).pow(2).mean().backward()
+    reference[2].weight.grad[-1, -1] = float("inf")
+    set_sharded_grads(sharded, reference)
+    before = [p.detach().to_local().clone() for p in sharded.parameters()]
+    try:
+        opt.step()
+        out["nonfinite"] = None
+    except NonFiniteGradientError as e:
+        out["nonfinite"] = str(e)
+    out["unchanged"] = all(torch.equal(p.detach().to_local(), b) for p, b in zip(sharded.parameters(), before))
+    return out

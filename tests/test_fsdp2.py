@@ -49,3 +49,41 @@ def test_whole_matrix_optimizers_refuse_sharded_parameters():
     for report in launch(refusal_run, 2, timeout=120.0):
         for name in ("Muon", "Adafactor"):
             assert report[name] is not None and "DTensor" in report[name] and name in report[name]
+
+
+# --- Muon through owners -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fsdp2_muon_is_bitwise_single_process_muon(world_size):
+    from fsdp2_ranks import muon_run
+
+    reports = launch(muon_run, world_size, timeout=240.0)
+    for r in reports:
+        assert r["diff"] == 0.0 and r["state"], r
+        assert r["ns_calls"] == 3 * r["owned"]   # each owned matrix once per step
+    assert sum(r["owned"] for r in reports) == 3
+
+
+def test_fsdp2_muon_orthogonalises_once_per_step_whatever_the_accumulation():
+    from fsdp2_ranks import muon_run
+
+    reports = launch(muon_run, 3, accumulate=4, timeout=240.0)
+    assert [r["ns_calls"] for r in reports] == [3 * r["owned"] for r in reports]
+    assert all(r["diff"] == 0.0 for r in reports)
+
+
+def test_fsdp2_muon_clips_by_the_norm_of_the_unsharded_gradient():
+    from fsdp2_ranks import muon_run
+
+    reports = launch(muon_run, 3, max_grad_norm=0.05, timeout=240.0)
+    norms = {r["last_grad_norm"] for r in reports}
+    assert len(norms) == 1 and next(iter(norms)) > 0.05   # the clip acted, the same norm on every rank
+    # the norm is summed over shards in another order than the reference's: equal to rounding
+    assert all(r["diff"] < 1e-12 for r in reports)
+
+
+def test_fsdp2_muon_refuses_plain_tensors_and_stops_every_rank_on_a_nan():
+    from fsdp2_ranks import muon_refusals
+
+    for r in launch(muon_refusals, 2, timeout=120.0):
+        assert r["plain"] is not None and "not a DTensor" in r["plain"]
+        assert r["nonfinite"] is not None and "inf" in r["nonfinite"] and r["unchanged"]

@@ -9,7 +9,9 @@ notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT 
 :mod:`~optbook.distributed.layerwise_muon`), :class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a
 gather of each full matrix; :mod:`~optbook.distributed.distributed_muon`), :class:`DistributedChain` (one
 global gradient norm with a ZeRO-1 AdamW; :mod:`~optbook.distributed.chain`) and
-:func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards).
+:func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards). :class:`FSDP2Muon`: Muon on
+parameters sharded by PyTorch's FSDP2 (``fully_shard``), each matrix through an owner rank
+(:mod:`~optbook.distributed.fsdp2`).
 ``python -m optbook.distributed.demo`` (:mod:`optbook.distributed.demo`) trains a small
 transformer with :class:`DistributedOptimizer` under ``torchrun`` (NCCL or gloo), or on local gloo
 processes.
@@ -17,11 +19,12 @@ processes.
 
 from .chain import DistributedChain
 from .distributed_muon import DistributedMuon, zero1_comm_bytes
+from .fsdp2 import FSDP2Muon
 from .launch import init_from_env, launch
 from .layerwise_muon import LayerWiseMuon, lpt_assign, ns_cost, rank_loads, round_robin_assign
 from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 from .zero1 import DistributedOptimizer, shard_layout
 
-__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "LayerWiseMuon",
+__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "FSDP2Muon", "LayerWiseMuon",
            "init_from_env", "launch", "lpt_assign", "ns_cost", "rank_loads", "round_robin_assign", "shard_layout",
            "tensor_parallel_newton_schulz", "zero1_comm_bytes"]

@@ -1,5 +1,6 @@
-"""What LayerWiseMuon and DistributedMuon share: the Muon hyperparameters of a group, byte counting, the
-non-finite error, and the checkpoint helpers (consolidation on one rank, the plain Muon state-dict check).
+"""What LayerWiseMuon, DistributedMuon and FSDP2Muon share: Muon's orthogonalised update of full matrices,
+the Muon hyperparameters of a group, byte counting, the non-finite error, and the checkpoint helpers
+(consolidation on one rank, the plain Muon state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
 """
@@ -18,7 +19,8 @@ from ..optim.optimizer import all_finite, check_hyperparameters
 from ._ranks import global_rank, params_difference
 
 __all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
-           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "shard_parts"]
+           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "scaled_orthogonal",
+           "shard_parts"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
@@ -163,3 +165,15 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
         if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size for sd in parts):
             raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
     return parts
+
+
+def scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
+    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
+    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
+    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
+    out = [torch.zeros_like(d) for d in directions]
+    bufs = [torch.zeros_like(d) for d in directions]
+    options = {**hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+    muon(out, directions, bufs, **options)
+    return [o.neg_() for o in out]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
 from ..contract import VersionTracker, closure_loss, register_owner
-from ..optim import Muon, muon
+from ..optim import Muon
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
 from ._collectives import LOW_PRECISION, all_gather, reduce_scatter
@@ -265,7 +265,7 @@ class DistributedMuon(Muon):
             for piece in mine:
                 r = self.layout.params[piece.index]
                 full.append(directions[r.dtype][r.start:r.end].view(r.shape).to(r.dtype))
-            updates = _scaled_orthogonal(full, g)
+            updates = common.scaled_orthogonal(full, g)
             for piece, upd in zip(mine, updates):
                 r = self.layout.params[piece.index]
                 w = self.param_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
@@ -390,18 +390,6 @@ def _broadcasts_to(factor: torch.Tensor, param: torch.Tensor) -> bool:
         return factor.device == param.device and torch.broadcast_shapes(factor.shape, param.shape) == param.shape
     except RuntimeError:
         return False
-
-
-def _scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
-    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
-    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
-    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
-    out = [torch.zeros_like(d) for d in directions]
-    bufs = [torch.zeros_like(d) for d in directions]
-    options = {**common.hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
-    muon(out, directions, bufs, **options)
-    return [o.neg_() for o in out]
 
 
 def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None) -> dict:

@@ -177,6 +177,9 @@ class BookOptimizer(torch.optim.Optimizer):
     #: buffer steps as the whole parameter does (ZeRO-1 and offload accept only such classes;
     #: :func:`optbook.contract.elementwise`). Each optimizer sets it.
     elementwise = False
+    #: Whether the class brings sharded (FSDP2 ``DTensor``) parameters' whole matrices together itself
+    #: (:class:`optbook.distributed.FSDP2Muon`); a class that is neither this nor element-wise refuses them.
+    gathers_whole_matrices = False
 
     #: Set by optimizers defined for 2-D matrices only (Shampoo, SOAP): the hint of the error for other shapes.
     matrix_hint: str | None = None
@@ -190,7 +193,7 @@ class BookOptimizer(torch.optim.Optimizer):
             check_params(params)
         if self.matrix_hint is not None and not isinstance(params, set):
             check_matrices(params, type(self).__name__, self.matrix_hint)
-        if not self.elementwise and not isinstance(params, set):
+        if not (self.elementwise or self.gathers_whole_matrices) and not isinstance(params, set):
             _sharded.refuse_sharded(params, type(self).__name__, "updates each tensor as a whole (its update "
                                     "of an element depends on other elements of the matrix)")
         self._check_hyperparameters({**self.defaults, **param_group})

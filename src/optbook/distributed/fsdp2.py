@@ -1,0 +1,192 @@
+"""Muon on parameters sharded by PyTorch's FSDP2 (``fully_shard``): whole matrices through owners.
+
+FSDP2 keeps each parameter as a ``DTensor`` sharded by rows (``Shard(0)``, ``torch.chunk`` sizes: possibly
+uneven, possibly empty on the last ranks) and hands the optimizer each rank's rows of the mean gradient.
+Element-wise optimizers step those rows directly (:mod:`optbook.optim`). Muon cannot: Newton–Schulz needs
+the whole matrix (chapter 14). :class:`FSDP2Muon` brings each matrix to one *owner* rank and back, the
+"gather to owners, scatter back" design (torchtitan's and microsoft/dion's FSDP2 Muon move whole matrices to
+owners too; Dion's by all-to-all):
+
+1. momentum on the local rows (element-wise, exactly Muon's ``lerp``; the buffer is a sharded ``DTensor``,
+   ``1/d`` of Muon's state per rank) and the step direction (Nesterov's look-ahead) on the local rows;
+2. the direction's rows gathered to the matrix's owner (``torch.distributed.gather``, rows padded to the
+   largest shard); owners chosen once by LPT on the Newton–Schulz cost ``max(m, n) min(m, n)^2``
+   (:func:`optbook.distributed.lpt_assign`, chapter 14);
+3. the owner orthogonalises each of its matrices once per step (:func:`optbook.optim.muon`'s own arithmetic:
+   head split, schedule, scale) and scatters each rank its rows of the update
+   (``torch.distributed.scatter``);
+4. every rank applies its rows: ``W_r <- W_r (1 - lr wd) - lr U_r``, Muon's update line.
+
+Every element sees single-process Muon's operations in the same order, so in float64 the result is bitwise
+``optbook.optim.Muon``'s (``tests/test_fsdp2.py`` at 1 to 4 gloo processes). Per matrix of ``m x n``
+elements and step, the two collectives move ``(d - 1)/d`` of the matrix each way (in the parameters'
+dtype), against ``(d - 1)/d`` for FSDP2's own reduce-scatter of the gradient and all-gather of the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..clipping import clip_coefficient
+from ..contract import closure_loss
+from ..optim import Muon
+from ..optim._functional import momentum_directions
+from ..optim._sharded import is_dtensor, local
+from . import _muon_common as common
+from .layerwise_muon import lpt_assign, ns_cost
+
+__all__ = ["FSDP2Muon"]
+
+
+def _row_chunks(rows: int, world_size: int) -> list[int]:
+    """The rows of each rank under ``Shard(0)``: ``torch.chunk``'s sizes, zeros for ranks past the last chunk."""
+    sizes = [c.shape[0] for c in torch.empty(rows, 0).chunk(world_size)]
+    return sizes + [0] * (world_size - len(sizes))
+
+
+class FSDP2Muon(Muon):
+    """Muon for ``fully_shard``-ed 2-D parameters (``DTensor``, ``Shard(0)`` on a 1-D mesh): each matrix
+    orthogonalised once per step by its owner rank (module docstring).
+
+    Args:
+        params: the 2-D ``DTensor`` parameters FSDP2 made (or param-group dicts of them), the same on every
+            rank of one 1-D device mesh, sharded by rows; float32 or float64.
+        max_grad_norm: clip the gradient by its global norm (all Muon parameters of this optimizer, summed
+            over the shards: the norm of the unsharded gradient) before the momentum; ``None``: no clip.
+        **muon_defaults: as :class:`optbook.optim.Muon` (``lr``, ``momentum``, ``nesterov``,
+            ``weight_decay``, ``ns_steps``, ``ns_dtype``, ``head_split``, ...).
+
+    Attributes:
+        owners: ``owners[i]``, the mesh rank that orthogonalises parameter ``i`` (in group order).
+        ns_calls: how many matrices this rank has orthogonalised since construction (every step adds the
+            number it owns that had a gradient: Newton–Schulz runs once per matrix per step, whatever the
+            gradient accumulation before it).
+        last_grad_norm: the global gradient norm at the last step (``max_grad_norm`` set), else ``None``.
+        found_inf, skipped_steps: the step contract's report (no loss scaler: a non-finite gradient raises
+            on every rank, so ``found_inf`` is ``False`` after every completed step).
+
+    Raises:
+        TypeError: a parameter that is not a ``DTensor`` sharded by rows on a 1-D mesh, or parameters on
+            different meshes; what :class:`optbook.optim.Muon` raises (naming the argument).
+        ValueError: ``max_grad_norm`` not a number ``> 0``.
+        optbook.contract.NonFiniteGradientError: :meth:`step`, a gradient shard holds ``inf`` or ``NaN`` on
+            any rank (every rank raises, naming the parameter; nothing written).
+    """
+
+    #: steps sharded parameters (whole matrices are gathered), unlike :class:`optbook.optim.Muon`
+    gathers_whole_matrices = True
+
+    def __init__(self, params, *, max_grad_norm=None, **muon_defaults):
+        max_grad_norm = common.check_max_grad_norm(max_grad_norm)
+        super().__init__(params, **muon_defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        mesh = None
+        for i, p in enumerate(all_params):
+            placements = tuple(p.placements) if is_dtensor(p) else None
+            if placements is None or p.device_mesh.ndim != 1 or not placements[0].is_shard(0):
+                raise TypeError(f"Invalid params: parameter {i} (shape {tuple(p.shape)}) is "
+                                f"{'a DTensor placed as ' + str(placements) if placements else 'not a DTensor'}; "
+                                "FSDP2Muon steps DTensors sharded by rows (Shard(0)) on a 1-D mesh, as "
+                                "torch.distributed.fsdp.fully_shard makes them (plain tensors: optbook.optim.Muon)")
+            if mesh is None:
+                mesh = p.device_mesh
+            elif p.device_mesh != mesh:
+                raise TypeError(f"Invalid params: parameter {i} is on another device mesh than parameter 0")
+        self.mesh = mesh
+        self.process_group = mesh.get_group() if mesh is not None else None
+        self.world_size = mesh.size() if mesh is not None else 1
+        self.rank = mesh.get_local_rank() if mesh is not None else 0
+        self.max_grad_norm = max_grad_norm
+        self.owners = lpt_assign([ns_cost(tuple(p.shape), g.get("head_split")) for g in self.param_groups
+                                  for p in g["params"]], self.world_size)
+        self._params = all_params
+        self.ns_calls = 0
+        self.last_grad_norm: float | None = None
+        self.found_inf, self.skipped_steps = False, 0
+
+    def _global_rank(self, mesh_rank: int) -> int:
+        return dist.get_global_rank(self.process_group, mesh_rank)
+
+    def _to_owner(self, rows: torch.Tensor, shape: tuple, owner: int) -> torch.Tensor | None:
+        """Gather the row shards of one ``shape`` matrix on ``owner``: the full matrix there, ``None`` elsewhere."""
+        sizes = _row_chunks(shape[0], self.world_size)
+        pad = max(sizes)
+        send = rows.new_zeros((pad, shape[1]))
+        send[: rows.shape[0]].copy_(rows)
+        recv = [torch.empty_like(send) for _ in sizes] if self.rank == owner else None
+        dist.gather(send, recv, dst=self._global_rank(owner), group=self.process_group)
+        if self.rank != owner:
+            return None
+        return torch.cat([r[:n] for r, n in zip(recv, sizes)])
+
+    def _from_owner(self, full: torch.Tensor | None, shape: tuple, owner: int, like: torch.Tensor) -> torch.Tensor:
+        """Scatter ``full`` (on ``owner``) back as row shards: this rank's rows of it."""
+        sizes = _row_chunks(shape[0], self.world_size)
+        pad = max(sizes)
+        recv = like.new_empty((pad, shape[1]))
+        chunks = None
+        if self.rank == owner:
+            chunks, row = [], 0
+            for n in sizes:
+                c = full.new_zeros((pad, shape[1]))
+                c[:n].copy_(full[row:row + n])
+                chunks.append(c)
+                row += n
+        dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group)
+        return recv[: sizes[self.rank]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon step of every sharded matrix (a collective: every rank of the mesh calls it).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError, TypeError: an invalid hyperparameter or gradient, before anything is written.
+            optbook.contract.NonFiniteGradientError: a gradient shard holds ``inf`` or ``NaN`` on some rank:
+                every rank raises, nothing written.
+        """
+        loss = closure_loss(closure)
+        self._validate()   # hyperparameters, gradients; the non-finite verdict agreed over the mesh
+        coefficient = 1.0
+        if self.max_grad_norm is not None:
+            grads = local([p.grad for p in self._params if p.grad is not None])
+            sumsq = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                sumsq += g.double().pow(2).sum()
+            dist.all_reduce(sumsq, group=self.process_group)
+            self.last_grad_norm = float(sumsq.sqrt())
+            coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        index = 0
+        for group in self.param_groups:
+            entries = []  # (parameter index, parameter, local direction rows)
+            for p in group["params"]:
+                i, index = index, index + 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                g = local([p.grad])[0]
+                if coefficient < 1.0:
+                    g = g * coefficient
+                (d,) = momentum_directions(local([state["momentum_buffer"]]), [g], group["momentum"],
+                                           group["nesterov"])
+                entries.append((i, p, d))
+            full = {}
+            for i, p, d in entries:  # every rank takes part in every matrix's gather, in the same order
+                gathered = self._to_owner(d, tuple(p.shape), self.owners[i])
+                if gathered is not None:
+                    full[i] = gathered
+            mine = sorted(full)
+            updates = dict(zip(mine, common.scaled_orthogonal([full[i] for i in mine], group))) if mine else {}
+            self.ns_calls += len(mine)
+            lr, wd = group["lr"], group["weight_decay"]
+            for i, p, d in entries:
+                rows = self._from_owner(updates.get(i), tuple(p.shape), self.owners[i], d)
+                w = local([p])[0]
+                w.mul_(1 - lr * wd)
+                w.sub_(rows, alpha=lr)
+        return loss
