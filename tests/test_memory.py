@@ -160,6 +160,29 @@ def test_measured_equals_predicted_single_process():
         assert measured_roles(opt) == predicted_roles(ledger(n, grad_dtype=BF16, **cfg))
 
 
+@pytest.mark.parametrize("state_dtype, per_param", [(None, 20), (BF16, 16)])
+def test_mixed_precision_keeps_both_gradients_until_zero_grad(state_dtype, per_param):
+    """Chapters 11 and 16 state these counts: 2 + 2 (bf16 weight and gradient) + 4 + 4 (float32 master and
+    main gradient) + 8 or 4 (AdamW's moments); the main gradient is reused by the next step; zero_grad()
+    frees both gradients (6 bytes per parameter)."""
+    model = mlp(BF16)
+    n = sum(p.numel() for p in model.parameters())
+    opt = MixedPrecisionOptimizer(AdamW(model.parameters()), state_dtype=state_dtype)
+    backward(model, 0)
+    opt.step()
+    first = measure(opt)
+    assert first.total == per_param * n and first.bytes["main_grads"] == 4 * n and first.bytes["grads"] == 2 * n
+    main = [m.grad.data_ptr() for m in opt.master_params()]
+    backward(model, 1)   # accumulates into the same bf16 .grad
+    opt.step()
+    assert measure(opt).total == per_param * n
+    assert [m.grad.data_ptr() for m in opt.master_params()] == main        # copied into, not reallocated
+    opt.zero_grad()
+    freed = measure(opt)
+    assert freed.bytes["grads"] == freed.bytes["main_grads"] == 0 and freed.total == (per_param - 6) * n
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_measured_muon_and_chained():
     model = mlp(BF16)
     matrices = [p for p in model.parameters() if p.ndim == 2]

@@ -497,9 +497,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             on first use); the norm is kept in :attr:`last_grad_norm`.
         check_for_nonfinite: without a loss scaler, look for ``inf``/``NaN`` gradients before anything is
             written and raise :class:`~optbook.contract.NonFiniteGradientError` naming the parameter
-            (default ``True``). ``False`` skips the check (Megatron-LM does for bfloat16 without a scaler;
-            a non-finite gradient then reaches the weights, as in ``torch.optim``). With a loss scaler the
-            check is part of unscaling and always runs, so ``False`` is refused there.
+            (default ``True``). ``False`` skips the check: a non-finite gradient then reaches the masters,
+            the state and the weights, as in ``torch.optim``. (Megatron-LM core_v0.16.0's optimizer step
+            looks only with a grad scaler, which bfloat16 runs usually lack; its training loop checks each
+            gradient bucket for ``NaN``/``inf`` before the data-parallel reduction instead, under
+            ``--check-for-nan-in-loss-and-grad``, on by default, and stops the run.) With a loss scaler
+            the check is part of unscaling and always runs, so ``False`` is refused there.
         state_dtype: ``None`` (the inner optimizer's state keeps its own dtype: float32 for masters), or
             ``torch.bfloat16``/``torch.float16``/``torch.float32``: between steps every floating-point
             state tensor except ``step`` (Adam's moments, momentum buffers, ...) is *stored* in this
