@@ -217,3 +217,48 @@ def muon_refusals(rank: int, world_size: int) -> dict:
         out["nonfinite"] = str(e)
     out["unchanged"] = all(torch.equal(p.detach().to_local(), b) for p, b in zip(sharded.parameters(), before))
     return out
+
+
+# --- QK-clip -------------------------------------------------------------------------------------------------
+def qk_clip_run(rank: int, world_size: int) -> dict:
+    """QK-clip on a fully_shard-ed float64 TinyTransformer (GQA: 4 query heads, 2 key/value heads). Each rank's
+    forward runs its share of the batch; ``"maxima_diff"``: the largest difference between the maxima
+    ``qk_clip_`` reduces over the ranks and the single-process forward's on the whole batch. Then both models
+    are clipped from the same maxima: ``"clipped"`` heads and ``"weights_equal"`` (bitwise)."""
+    from optbook.models import TinyTransformer, attention_modules
+    from optbook.qk_clip import qk_clip_
+
+    torch.set_num_threads(1)
+    torch.manual_seed(3)
+    reference = TinyTransformer(vocab_size=16, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                                max_seq_len=8).double()
+    with torch.no_grad():
+        for attn in attention_modules(reference):
+            attn.q_proj.weight.mul_(8.0)
+            attn.k_proj.weight.mul_(8.0)
+    sharded = copy.deepcopy(reference)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in sharded.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    tokens = torch.randint(0, 16, (4 * world_size, 8), generator=torch.Generator().manual_seed(4))
+    share = tokens.shape[0] // world_size
+    with torch.no_grad():
+        reference(tokens)
+        sharded(tokens[rank * share:(rank + 1) * share])
+    ref_maxima = [a.max_logits.clone() for a in attention_modules(reference)]
+    reduced = []
+    for a in attention_modules(sharded):
+        m = a.max_logits.clone()
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX)
+        reduced.append(m)
+    maxima_diff = max(float((a - b).abs().max()) for a, b in zip(reduced, ref_maxima))
+    for a, m in zip(attention_modules(sharded), ref_maxima):
+        a.max_logits = m.clone()
+    tau = 0.5 * float(max(m.max() for m in ref_maxima))
+    clipped = len(qk_clip_(sharded, tau))
+    qk_clip_(reference, tau)
+    weights_equal = all(torch.equal(full(p.detach()), r.detach())
+                        for p, r in zip(sharded.parameters(), reference.parameters()))
+    return {"maxima_diff": maxima_diff, "clipped": clipped, "weights_equal": weights_equal}

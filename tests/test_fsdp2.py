@@ -87,3 +87,12 @@ def test_fsdp2_muon_refuses_plain_tensors_and_stops_every_rank_on_a_nan():
     for r in launch(muon_refusals, 2, timeout=120.0):
         assert r["plain"] is not None and "not a DTensor" in r["plain"]
         assert r["nonfinite"] is not None and "inf" in r["nonfinite"] and r["unchanged"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_qk_clip_on_sharded_attention_weights_is_the_single_process_clip(world_size):
+    from fsdp2_ranks import qk_clip_run
+
+    for r in launch(qk_clip_run, world_size, timeout=240.0):
+        assert r["maxima_diff"] < 1e-12      # the per-rank maxima, reduced, are the whole batch's
+        assert r["clipped"] > 0 and r["weights_equal"], r

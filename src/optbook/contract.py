@@ -126,12 +126,21 @@ def scale_weights_(param: torch.Tensor, factor) -> None:
     With no owner the parameter is multiplied in place. With an owner, the owner scales its copy (the
     float32 master, the local shard, the host copy) and writes the model's parameter from it, as its next
     step would; for a distributed owner this is collective (every rank calls it with the same factor).
+    A parameter sharded by FSDP2 (a ``DTensor``) multiplies its local shard by the factor's matching part
+    (the factor expanded to the whole parameter's shape and cut as the parameter is: every rank must pass
+    the same factor); nothing is communicated.
     """
     owner = owner_of(param)
-    if owner is None:
-        param.mul_(factor)
-    else:
+    if owner is not None:
         owner._scale_weights_(param, factor)
+        return
+    placements = getattr(param, "placements", None)
+    if placements is not None:   # a DTensor
+        from torch.distributed.tensor import distribute_tensor
+
+        full = torch.as_tensor(factor, device=param.device).expand(param.shape).contiguous()
+        factor = distribute_tensor(full, param.device_mesh, placements, src_data_rank=None)
+    param.mul_(factor)
 
 
 class VersionTracker:
