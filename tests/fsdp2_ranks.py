@@ -53,7 +53,8 @@ def set_sharded_grads(sharded: nn.Module, reference: nn.Module) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     for p, r in zip(sharded.parameters(), reference.parameters()):
-        p.grad = distribute_tensor(r.grad.detach().clone(), p.device_mesh, p.placements)
+        g = r.grad.detach().clone()
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g
 
 
 def full(t) -> torch.Tensor:
@@ -262,3 +263,76 @@ def qk_clip_run(rank: int, world_size: int) -> dict:
     weights_equal = all(torch.equal(full(p.detach()), r.detach())
                         for p, r in zip(sharded.parameters(), reference.parameters()))
     return {"maxima_diff": maxima_diff, "clipped": clipped, "weights_equal": weights_equal}
+
+
+# --- DCP checkpoints ---------------------------------------------------------------------------------------------
+def _dcp_optimizers(model: nn.Module, sharded: bool):
+    from optbook.distributed import FSDP2Muon
+
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() != 2]
+    muon_cls = FSDP2Muon if sharded else Muon
+    return muon_cls(matrices, lr=0.02, **MUON_OPTIONS), AdamW(vectors, lr=0.01, weight_decay=0.1)
+
+
+def dcp_model() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def _dcp_step(step, reference, ref_opts, sharded=None, opts=()):
+    for o in ref_opts:
+        o.zero_grad()
+    reference(muon_batch(step)).pow(2).mean().backward()
+    for o in ref_opts:
+        o.step()
+    if sharded is not None:
+        set_sharded_grads(sharded, reference)
+        for o in opts:
+            o.step()
+
+
+def dcp_run(rank: int, world_size: int, *, ckpt_dir: str, phase: str, split: int = 2, steps: int = 4) -> dict:
+    """``phase="save"``: ``split`` steps of FSDP2Muon (matrices) + AdamW (biases) on a fully_shard-ed model,
+    then a DCP checkpoint of the model and both optimizers (``get_*_state_dict``). ``phase="resume"``: a fresh
+    sharded model and optimizers at this world size, loaded from the checkpoint, ``steps - split`` more steps.
+    Both phases run the single-process reference (Muon + AdamW) alongside on the same gradients; returns
+    ``"equal"``: the parameters (and, resumed, the momentum) bitwise the reference's after the last step.
+    ``phase="single"``: as ``"resume"``, into a plain model with optbook's single-process Muon and AdamW."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    torch.set_num_threads(1)
+    reference = dcp_model()
+    ref_opts = _dcp_optimizers(reference, sharded=False)
+    plain = phase == "single"   # resume into a plain model and optbook's single-process Muon + AdamW
+    sharded = copy.deepcopy(reference) if plain else shard(copy.deepcopy(reference))
+    opts = _dcp_optimizers(sharded, sharded=not plain)
+    if phase == "save":
+        for step in range(split):
+            _dcp_step(step, reference, ref_opts, sharded, opts)
+        state = {"model": get_model_state_dict(sharded),
+                 "muon": get_optimizer_state_dict(sharded, opts[0]),
+                 "adamw": get_optimizer_state_dict(sharded, opts[1])}
+        dcp.save(state, checkpoint_id=ckpt_dir)
+        last = split
+    else:
+        for step in range(split):   # the reference alone up to the checkpoint
+            _dcp_step(step, reference, ref_opts)
+        # get_optimizer_state_dict creates the state to load into (a step at lr 0 on zero gradients)
+        state = {"model": get_model_state_dict(sharded),
+                 "muon": get_optimizer_state_dict(sharded, opts[0]),
+                 "adamw": get_optimizer_state_dict(sharded, opts[1])}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_model_state_dict(sharded, state["model"])
+        set_optimizer_state_dict(sharded, opts[0], state["muon"])
+        set_optimizer_state_dict(sharded, opts[1], state["adamw"])
+        for step in range(split, steps):
+            _dcp_step(step, reference, ref_opts, sharded, opts)
+        last = steps
+    equal = all(torch.equal(full(p.detach()), r.detach()) for p, r in zip(sharded.parameters(),
+                                                                           reference.parameters()))
+    momentum = all(torch.equal(full(opts[0].state[p]["momentum_buffer"]), ref_opts[0].state[r]["momentum_buffer"])
+                   for p, r in zip(opts[0].param_groups[0]["params"], ref_opts[0].param_groups[0]["params"]))
+    return {"equal": equal, "momentum": momentum, "steps": last}

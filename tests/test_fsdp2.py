@@ -96,3 +96,17 @@ def test_qk_clip_on_sharded_attention_weights_is_the_single_process_clip(world_s
     for r in launch(qk_clip_run, world_size, timeout=240.0):
         assert r["maxima_diff"] < 1e-12      # the per-rank maxima, reduced, are the whole batch's
         assert r["clipped"] > 0 and r["weights_equal"], r
+
+
+# --- DCP checkpoints -----------------------------------------------------------------------------------------------
+def test_dcp_checkpoint_resumes_at_another_world_size_and_in_one_process(tmp_path):
+    """Saved with torch.distributed.checkpoint at 2 ranks after 2 steps of FSDP2Muon + AdamW; resumed at 3 ranks
+    and, into a plain model with optbook's Muon + AdamW, in one process: 2 more steps bitwise the uninterrupted
+    single-process run (parameters and momentum)."""
+    from fsdp2_ranks import dcp_run
+
+    ckpt = str(tmp_path / "ckpt")
+    for phase, world_size in (("save", 2), ("resume", 3), ("single", 1)):
+        for r in launch(dcp_run, world_size, ckpt_dir=ckpt, phase=phase, timeout=240.0):
+            assert r["equal"] and r["momentum"], (phase, world_size, r)
+            assert r["steps"] == (2 if phase == "save" else 4)
