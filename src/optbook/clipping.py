@@ -14,7 +14,10 @@ What differs from ``torch.nn.utils.clip_grad_norm_``:
 
 * The norm is accumulated in float64 whatever the gradients' dtype, and the clip multiplies in float64
   with one rounding back per element, so float16/bfloat16/float32 gradients neither overflow (a float32
-  ``1e20 * ones(100)`` has norm ``1e21``, not ``inf``) nor underflow to zero when scaled. Should the
+  ``1e20 * ones(100)`` has norm ``1e21``, not ``inf``) nor underflow to zero when scaled. (torch 2.13's
+  ``vector_norm`` sums a float32 gradient's squares in float32, so its norm is ``inf`` above about
+  ``1.8e19``; a float16 gradient's squares are summed in float32 too and only the norm is rounded to
+  float16, so its norm is ``inf`` exactly when it exceeds 65504, however large the sum of squares.) Should the
   float64 sum of squares itself overflow (float64 gradients with a norm above about ``1.3e154``; float32
   gradients cannot get there), the norm is recomputed as ``amax * ||g / amax||``, so every finite
   gradient has a finite norm up to float64's largest number.
@@ -22,6 +25,16 @@ What differs from ``torch.nn.utils.clip_grad_norm_``:
   of writing ``inf * 0 = NaN`` into them; the caller can skip the step.
 * The same tensor listed twice (tied weights) is counted and scaled once.
 * ``group=`` sums the squares over the ranks of a ``torch.distributed`` process group.
+
+What a global clip does to the *other* parameters: every gradient is multiplied by the same factor, so
+one huge gradient in a single tensor (a bad batch through one embedding row, an overflowed partial
+result) shrinks the step of every other tensor by that factor. Optimizers that normalise their update
+are not immune: Adam's first step ``g / (|g| + eps)`` falls from ``lr`` towards 0 once the clipped
+``|g|`` nears ``eps``, and Muon's momentum then holds a clipped gradient next to unclipped ones. Where
+one tensor's spike should not silence the rest, check each tensor's norm before clipping (compare it
+with that tensor's recent norms, e.g. ``get_grad_norm(p)`` per parameter, and skip the step or drop that
+tensor's gradient), or clip the groups separately, accepting that the whole gradient's direction then
+changes (chapter 12 shows both).
 
 Convention for parameters held by every rank (``group`` given): a parameter with the attribute
 ``optbook_replicated = True`` (see :data:`REPLICATED`) holds the same gradient on every rank of the group
@@ -277,6 +290,11 @@ def clip_grad_norm_(params, max_norm, group=None, error_if_nonfinite=False) -> t
     Precision: the coefficient is a float64 number and each gradient is multiplied in float64 and
     rounded once to its own dtype, so a float16 gradient is not zeroed by a coefficient below float16's
     smallest number; the float64 copy of one gradient at a time is the memory cost.
+
+    One factor for all: a spike in a single tensor shrinks every other tensor's gradient by the same
+    coefficient (and an Adam-type step towards 0 once the clipped entries near its ``eps``). To keep one
+    bad tensor from silencing the rest, check per-tensor norms first (``get_grad_norm(p)`` for each
+    ``p``, against that tensor's recent values) or call this function once per group (module docstring).
 
     Source: ``torch.nn.utils.clip_grad_norm_``; Megatron-LM ``clip_grad_by_total_norm_fp32`` (clip_grads.py).
     """

@@ -100,8 +100,10 @@ def exact_rescale(D: torch.Tensor) -> torch.Tensor:
     Multiplying by a power of two is exact, so Newton-Schulz's normalisation ``X / max(||X||_F, eps)``
     gives bitwise the same ``X`` as before whenever ``||D||_F >= eps``; what changes is that a small ``D``
     (a gradient shrunk by a global clip, ``||D||_F < eps``) no longer falls under the ``eps`` floor, whose
-    division would shrink the whole update (by 0.77 at a clip factor of 1e-6, 0.068 at 1e-8). Muon's
-    direction is then the same for every non-zero scale of the gradient; a zero matrix stays zero.
+    division would shrink the whole update (by 0.77 at a clip factor of 1e-6, 0.068 at 1e-8). The
+    orthogonalised direction of ``D`` is then the same for every non-zero scale of ``D``; a zero matrix
+    stays zero. (This is about one matrix: a clip that scales some steps' gradients and not others still
+    changes what the momentum, and so ``D``, is made of.)
 
     Args:
         D: ``(..., m, n)`` real floating tensor.
@@ -189,8 +191,13 @@ class Muon(BookOptimizer):
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
         eps: Newton–Schulz normaliser floor ``> 0``. Muon first rescales each block by a power of two
-            (:func:`exact_rescale`), so the floor only ever acts on a zero block: a global gradient
-            clip, however strong, does not change Muon's direction (chapter 12).
+            (:func:`exact_rescale`), so the floor only ever acts on a zero block and the update does not
+            depend on the scale of the momentum it orthogonalises. A global gradient clip, however strong,
+            therefore leaves the update unchanged on the first step, or when every step's gradient is
+            scaled by the same factor. A clip that fires on some steps only does change later updates:
+            the momentum then adds a clipped gradient to unclipped ones, so the clipped step counts less
+            (with ``momentum=0.95``, clipping only the second gradient by 0.01 turns the second update to a
+            cosine of about 0.40 with the unclipped run's), which is what the clip is for (chapter 12).
         ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
         head_split: per-group row split before orthogonalisation (:func:`split_rows`);
             ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
