@@ -77,8 +77,11 @@ class DistributedMuon(Muon):
         layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
         state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
             parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
-        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
-            :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
+        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction, the
+            buffers this optimizer hands to its collectives (``"gather"`` with ``"touched"``: the touched
+            interval of :func:`touched_ranges`); :func:`zero1_comm_bytes` ``(layout, gather_dtype, gather=,
+            rank=)`` predicts one step's. What the rank receives: :func:`received_bytes`, counted by
+            :class:`optbook.distributed.wire.CommCounter`.
         last_grad_norm: the global norm of the mean gradient at the last step, before clipping (float;
             ``None`` before the first step).
         found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
