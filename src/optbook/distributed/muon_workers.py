@@ -240,7 +240,7 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     # one scheduler drives both members; constructor errors
     sched = torch.optim.lr_scheduler.LambdaLR(chain, lambda s: 0.5 ** s)
     with warnings.catch_warnings():  # stepped before any optimizer step on purpose: only the lr is read
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         sched.step()
     lrs = [g["lr"] for g in chain.param_groups]
     errors = {}
