@@ -343,7 +343,7 @@ def transformer_comm(rank: int, world_size: int, *, group=None, seed: int = 0) -
         opt = DistributedOptimizer(params_or_groups, process_group=group, lr=1e-3)
         # DistributedOptimizer picks an all-reduce and broadcasts on gloo (faster there); switching the flag
         # off runs its reduce-scatter / all-gather path, the one it takes with NCCL.
-        opt._gloo_collectives = gloo_path and opt._gloo_collectives
+        opt._gloo_collectives = gloo_path = gloo_path and opt._gloo_collectives  # (NCCL: never the gloo path)
         n = len(opt._params)
         control = {"all_reduce": all_reduce_received(8 * (2 + n), world_size)}
         if gloo_path:

@@ -25,6 +25,8 @@ def all_reduce_received(nbytes: int, world_size: int):
     """
     got = Fraction(2 * (world_size - 1) * nbytes, world_size)
     return int(got) if got.denominator == 1 else got
+
+
 #: The tensor collectives :class:`CommCounter` counts (torch's ``c10d`` operators, as the dispatcher sees them).
 COUNTED_OPS = ("allreduce_", "broadcast_", "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_")
 
@@ -38,20 +40,21 @@ class CommCounter:
             opt.step()
         counter.received   # {"all_reduce": Fraction, "broadcast": int, "all_gather": int, ...} bytes
 
-    What a call delivers to this rank (``d`` ranks in its group, ``b`` bytes of element size times elements):
+    What a call delivers to this rank (``d`` ranks in its group; bytes are elements times element size):
 
-    * ``all_gather(out, in)``: the other ranks' pieces, ``bytes(out) - bytes(in)`` (exact for any algorithm);
+    * ``all_gather(out, in)`` (``all_gather_single`` / ``all_gather_into_tensor``): the other ranks' pieces, ``bytes(out) - bytes(in)`` (exact for any algorithm);
     * ``all_to_all_single(out, in, output_split_sizes)``: the pieces from the other ranks, exact;
     * ``broadcast(t, src)``: ``bytes(t)`` on every rank but ``src``, exact;
     * ``reduce_scatter(out, in)``: ``(d - 1) bytes(out)``: the ring (and the direct exchange) receives
-      ``d - 1`` partial chunks of the output's size, the least any algorithm that reduces at the
-      destination receives;
-    * ``all_reduce(t)``: ``2 (d - 1) / d bytes(t)`` (a :class:`fractions.Fraction`): the ring, a
+      ``d - 1`` partial chunks of the output's size;
+    * ``all_reduce(t)``: ``2 (d - 1) / d bytes(t)`` (:func:`all_reduce_received`): the ring, a
       reduce-scatter then an all-gather of chunks of ``1/d``, bandwidth-optimal.
 
-    Collectives of a one-rank group deliver nothing. Other ``c10d`` operators (barriers, object
-    collectives' tensors, point-to-point) are counted under ``"other"`` by number of calls in
-    :attr:`other_calls`, not bytes.
+    The first three are the bytes of other ranks' data that land in this rank's output, whatever algorithm
+    the backend uses; the two reductions are the ring's (gloo and NCCL pick their algorithm by size).
+
+    Collectives of a one-rank group deliver nothing. Other ``c10d`` operators (barriers, list collectives,
+    object collectives, point-to-point) are counted by number in :attr:`other_calls`, not by bytes.
 
     Attributes:
         received: ``{name: bytes}`` summed over the calls inside the ``with`` block.
