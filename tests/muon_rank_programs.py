@@ -121,6 +121,8 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
         cases.append(("assignment", lambda: cls([torch.zeros(2, 2, requires_grad=True)], process_group=group,
                                                 assignment="random")))
     else:
+        cases.append(("gather", lambda: cls([torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)],
+                                            process_group=group, gather="some")))
         cases.append(("bfloat16", lambda: cls([torch.zeros(2, 2, dtype=torch.bfloat16, requires_grad=True)],
                                               process_group=group)))
     for name, make in cases:
@@ -153,7 +155,7 @@ def muon_suite(rank: int, world_size: int) -> dict:
     2, 3 and 4 of them (:data:`MUON_SUITE_GROUPS`; the smaller groups do not start at global rank 0).
 
     Returns:
-        ``{size: report or None}``; a report is ``{"layerwise", "round_robin", "moonlight", "chain",
+        ``{size: report or None}``; a report is ``{"layerwise", "round_robin", "moonlight", "moonlight_touched", "chain",
         "bad_layerwise", "bad_moonlight", "resumed", "resumed_moonlight", "tp_rows", "tp_cols"}`` (the results
         of the functions above, :func:`tp_modes` on a ``(96, 48)`` matrix split by rows and by columns;
         ``"resumed"`` / ``"resumed_moonlight"``: the parameters after 2 more steps of a LayerWiseMuon /
@@ -172,6 +174,7 @@ def muon_suite(rank: int, world_size: int) -> dict:
             report = {"layerwise": layerwise_train(r, size, group=g),
                       "round_robin": layerwise_train(r, size, group=g, assignment="round_robin"),
                       "moonlight": moonlight_train(r, size, group=g),
+                      "moonlight_touched": moonlight_train(r, size, group=g, gather="touched"),
                       "chain": chain_train(r, size, group=g),
                       "bad_layerwise": layerwise_bad_input(r, size, group=g),
                       "bad_moonlight": layerwise_bad_input(r, size, group=g, kind="moonlight"),

@@ -115,14 +115,85 @@ def test_layerwise_muon_equals_single_process_muon_bit_for_bit(runs, reference, 
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_moonlight_variant_equals_full_newton_schulz_muon_bit_for_bit(runs, reference, world_size):
+@pytest.mark.parametrize("kind", ["moonlight", "moonlight_touched"])
+def test_moonlight_variant_equals_full_newton_schulz_muon_bit_for_bit(runs, reference, world_size, kind):
     for rep in runs[world_size]:
-        mo = rep["moonlight"]
+        mo = rep[kind]
         assert _bitwise(mo["params"], reference)
         assert mo["split"], "some matrix must be cut across ranks for the test to mean something"
     params, _ = muon_problem()
-    assert sum(r["moonlight"]["state_numel"] for r in runs[world_size]) == sum(
+    assert sum(r[kind]["state_numel"] for r in runs[world_size]) == sum(
         p.numel() for i, p in enumerate(params) if i != 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+@pytest.mark.parametrize("alignment", [1, 64])
+def test_touched_ranges_pair_up_and_cover_each_ranks_matrices(world_size, alignment):
+    """What rank q sends rank r is what r expects from q; r's own shard plus what it receives is exactly the
+    union of the matrices with a piece in its shard (every element once, padding between them included)."""
+    from optbook.distributed import shard_layout
+    from optbook.distributed.distributed_muon import received_bytes, touched_ranges, zero1_comm_bytes
+
+    params, _ = muon_problem()
+    layout = shard_layout(params, world_size, param_alignment=alignment, bucket_alignment=4, bucket_size=400)
+    for b, bucket in enumerate(layout.buckets):
+        plans = [touched_ranges(layout, b, r) for r in range(world_size)]
+        for q in range(world_size):
+            for r in range(world_size):
+                assert plans[q][0][r] == plans[r][1][q]
+        for r, (_, recv, (t_lo, t_hi)) in enumerate(plans):
+            lo, hi = bucket.shard(r)
+            covered = sorted([(s, e) for s, e in recv if e > s] + [(max(lo, t_lo), min(hi, t_hi))])
+            covered = [(s, e) for s, e in covered if e > s]
+            mine = [layout.params[p.index] for p in layout.pieces(r) if p.bucket == b]
+            if not mine:
+                assert not covered and t_lo == t_hi
+                continue
+            assert (t_lo, t_hi) == (min(m.start for m in mine), max(m.end for m in mine))
+            assert covered[0][0] == t_lo and covered[-1][1] == t_hi
+            assert all(a[1] == c[0] for a, c in zip(covered, covered[1:]))  # contiguous, no overlap
+    for r in range(world_size):
+        got = received_bytes(layout, r, torch.bfloat16, gather="touched")["gather"]
+        assert got == 2 * sum(e - s for b in range(len(layout.buckets)) for s, e in touched_ranges(layout, b, r)[1])
+        assert got < received_bytes(layout, r, torch.bfloat16)["gather"]
+        m_max = max(p.numel() for p in params)
+        for b in range(len(layout.buckets)):                         # T_r < 2 m_max per bucket (eq-dmuon-touched)
+            assert sum(e - s for s, e in touched_ranges(layout, b, r)[1]) < 2 * m_max
+    with pytest.raises(ValueError, match="Invalid gather"):
+        received_bytes(layout, 0, torch.bfloat16, gather="some")
+    with pytest.raises(ValueError, match="Invalid rank"):
+        zero1_comm_bytes(layout, torch.bfloat16, gather="touched")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bytes_counted_at_the_dispatcher_equal_the_formulas(runs, world_size):
+    """CommCounter (what the collectives delivered) against received_bytes / LayerWiseMuon's prediction."""
+    from fractions import Fraction
+
+    from optbook.distributed import shard_layout
+    from optbook.distributed.distributed_muon import touched_ranges
+
+    params, _ = muon_problem()
+    layout = shard_layout(params, world_size, param_alignment=1, bucket_alignment=4)
+    (bucket,) = layout.buckets
+    steps, shard = 4, bucket.shard_numel
+    for rank, rep in enumerate(runs[world_size]):
+        full, touched = rep["moonlight"], rep["moonlight_touched"]
+        assert full["received"] == full["received_predicted"]
+        assert touched["received"] == touched["received_predicted"]
+        # the full gather: every other rank's shard of the float64 directions, once per step
+        assert full["received"]["all_gather"] == steps * 2 * 8 * (world_size - 1) * shard
+        # the touched gather: the interval of this rank's matrices less its own shard
+        t_lo, t_hi = touched_ranges(layout, 0, rank)[2]
+        lo, hi = bucket.shard(rank)
+        own = max(0, min(hi, t_hi) - max(lo, t_lo))      # the shard's part of the interval (not the tail padding)
+        assert t_lo <= lo and (own == hi - lo or t_hi < hi)
+        assert touched["received"]["all_to_all"] == steps * 8 * ((t_hi - t_lo) - own)
+        assert touched["received"]["all_to_all"] < steps * 8 * (world_size - 1) * shard
+        lw = rep["layerwise"]
+        f = Fraction(world_size - 1, world_size)
+        assert lw["received"] == {"all_reduce": f * (lw["predicted"]["all_reduce"] + 2 * lw["predicted"]["control"]),
+                                  "all_gather": f * lw["predicted"]["all_gather"]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -215,6 +286,9 @@ def test_bad_input_on_one_rank_makes_every_rank_raise_before_any_write(runs, ref
         for case, err in bad["constructor_errors"].items():
             assert err is not None, case
         assert "same parameters" in bad["constructor_errors"]["differs"][1]
+        if kind == "bad_moonlight":
+            assert bad["constructor_errors"]["gather"] == (
+                "ValueError", "Invalid gather: expected one of ('all', 'touched'), got 'some'")
         ckpt = bad["checkpoint_errors"]
         assert ckpt["not consolidated"][0] == "RuntimeError" and "consolidate_state_dict" in ckpt["not consolidated"][1]
         assert ckpt["shape"][0] == "ValueError" and "momentum_buffer of parameter" in ckpt["shape"][1]

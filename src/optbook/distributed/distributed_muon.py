@@ -6,7 +6,14 @@ the local element shard only; each step the momentum-updated shards are all-gath
 default) into full matrices, each matrix is orthogonalised, and each rank keeps the part of the update that
 falls in its shard; parameters all-gathered as in ZeRO-1. It communicates one gather more than ZeRO-1 AdamW:
 :attr:`DistributedMuon.comm_bytes` counts it, :func:`zero1_comm_bytes` gives the formula (the byte-counting
-convention is :mod:`optbook.distributed.layerwise_muon`'s).
+convention is :mod:`optbook.distributed.layerwise_muon`'s), and :func:`received_bytes` gives what each rank
+receives (what :class:`optbook.distributed.wire.CommCounter` counts at the dispatcher).
+
+Two gathers (``gather=``): ``"touched"`` is the paper's (section 2.3, "DP Gather": the rank gathers the full
+matrices of its own partition): each rank receives, with one ``all_to_all_single`` per bucket, only the
+elements of the matrices that have a piece in its shard, so a rank receives little more than the matrices cut
+by its shard's two ends; ``"all"`` all-gathers every bucket, so every rank receives every matrix -- the upper
+end of the paper's 1 to 1.25 times ZeRO-1 AdamW's bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from . import _muon_common as common
 from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
 from .zero1 import shard_layout
 
-__all__ = ["DistributedMuon", "zero1_comm_bytes"]
+__all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "zero1_comm_bytes"]
+
+#: The ``gather=`` modes of :class:`DistributedMuon`.
+GATHERS = ("all", "touched")
 
 
 class DistributedMuon(Muon):
@@ -40,6 +50,9 @@ class DistributedMuon(Muon):
         process_group: the data-parallel group (``None``: WORLD).
         gather_dtype: dtype of the momentum gather (``torch.bfloat16`` as Moonlight; ``torch.float64`` or the
             parameters' dtype for an exact comparison with single-process Muon).
+        gather: ``"all"`` (default): every bucket all-gathered, every rank receives every matrix;
+            ``"touched"``: the paper's gather, each rank receives only the matrices with a piece in its shard
+            (one ``all_to_all_single`` per bucket; :func:`touched_ranges`). The same update bit for bit.
         max_grad_norm: clip the mean gradient by its global norm before the momentum (``None``: no clip).
         bucket_size, param_alignment, bucket_alignment: the ZeRO-1 layout, :func:`optbook.distributed.shard_layout`.
         **muon_defaults: as :class:`optbook.optim.Muon`.
@@ -50,7 +63,8 @@ class DistributedMuon(Muon):
         g_r = reduce_scatter(flat gradients, SUM) / d            this rank's element shard of the mean
         all_reduce([sum of squares of g_r, non-finite], SUM)     one global norm; every rank skips together
         M_r <- lerp(M_r, c g_r, 1 - mu); D_r (Nesterov)          momentum on the shard only (c: the clip)
-        D = all_gather(D_r in gather_dtype)                      the full momentum-updated matrices
+        D = gather(D_r in gather_dtype)                          the full matrices with a piece here
+                                                                  ("all": every matrix, an all-gather)
         O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.muon's arithmetic
         W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
         W = all_gather(W_r)                                      as ZeRO-1
@@ -63,8 +77,11 @@ class DistributedMuon(Muon):
         layout: the :class:`optbook.distributed.zero1.Layout`; ``pieces``: this rank's pieces.
         state: ``state[p]["momentum_shard"]``, the 1-D momentum of this rank's piece of ``p`` (only for the
             parameters with a piece here) -- ``1/d`` of Muon's state; ``momentum_shard`` the same by index.
-        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction;
-            :func:`zero1_comm_bytes` ``(layout, gather_dtype)`` predicts one step's.
+        comm_bytes: ``{"reduce_scatter", "gather", "all_gather", "control"}`` bytes since construction, the
+            buffers this optimizer hands to its collectives (``"gather"`` with ``"touched"``: the touched
+            interval of :func:`touched_ranges`); :func:`zero1_comm_bytes` ``(layout, gather_dtype, gather=,
+            rank=)`` predicts one step's. What the rank receives: :func:`received_bytes`, counted by
+            :class:`optbook.distributed.wire.CommCounter`.
         last_grad_norm: the global norm of the mean gradient at the last step, before clipping (float;
             ``None`` before the first step).
         found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
@@ -81,18 +98,20 @@ class DistributedMuon(Muon):
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
         ValueError, TypeError: what :class:`optbook.optim.Muon` raises; float16/bfloat16 parameters; bad
-            ``gather_dtype`` or ``max_grad_norm``; parameters that differ between ranks (naming the first and
+            ``gather_dtype``, ``gather`` or ``max_grad_norm``; parameters that differ between ranks (naming the first and
             the ranks). :meth:`step`: an invalid input on any rank raises on every rank, nothing written.
         optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
             (on every rank, naming the parameter, nothing written).
     """
 
     def __init__(self, params, process_group=None, *, gather_dtype: torch.dtype = torch.bfloat16,
-                 max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
+                 gather: str = "all", max_grad_norm=None, bucket_size: int | None = None, param_alignment: int = 64,
                  bucket_alignment: int = 128, **muon_defaults):
         group, rank, world_size = group_info(process_group)
         if gather_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise TypeError(f"Invalid gather_dtype: expected a floating dtype, got {gather_dtype!r}")
+        if not isinstance(gather, str) or gather not in GATHERS:
+            raise ValueError(f"Invalid gather: expected one of {GATHERS}, got {gather!r}")
         max_grad_norm = common.check_max_grad_norm(max_grad_norm)
         super().__init__(params, **muon_defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -107,7 +126,8 @@ class DistributedMuon(Muon):
                               bucket_alignment=bucket_alignment)
         check_same_params(all_params, group, world_size, "DistributedMuon")
         self.process_group, self.rank, self.world_size = group, rank, world_size
-        self.gather_dtype, self.max_grad_norm = gather_dtype, max_grad_norm
+        self.gather_dtype, self.gather, self.max_grad_norm = gather_dtype, gather, max_grad_norm
+        self._touched = [touched_ranges(layout, b, rank) for b in range(len(layout.buckets))]
         self.layout, self.pieces = layout, layout.pieces(rank)
         self._params = all_params
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -249,13 +269,26 @@ class DistributedMuon(Muon):
             m = state["momentum_shard"]
             (d,) = momentum_directions([m], [grad], g["momentum"], g["nesterov"])
             directions[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel].copy_(d)
-        # 4. gather the full matrices
-        for bucket in self.layout.buckets:
-            if bucket.numel:
+        # 4. gather the full matrices (all of them, or those with a piece here)
+        for b, bucket in enumerate(self.layout.buckets):
+            if not bucket.numel or (self.gather == "touched" and self.world_size == 1):
+                continue
+            buf = directions[bucket.dtype]
+            if self.gather == "all":
                 lo, hi = bucket.shard(self.rank)
-                all_gather(directions[bucket.dtype][bucket.start:bucket.end], directions[bucket.dtype][lo:hi],
-                            group=self.process_group)
+                all_gather(buf[bucket.start:bucket.end], buf[lo:hi], group=self.process_group)
                 self.comm_bytes["gather"] += common.nbytes(bucket.numel, self.gather_dtype)
+                continue
+            send_ranges, recv_ranges, (t_lo, t_hi) = self._touched[b]
+            send = torch.cat([buf[s:e] for s, e in send_ranges])
+            recv = torch.empty(sum(e - s for s, e in recv_ranges), dtype=buf.dtype, device=buf.device)
+            dist.all_to_all_single(recv, send, output_split_sizes=[e - s for s, e in recv_ranges],
+                                   input_split_sizes=[e - s for s, e in send_ranges], group=self.process_group)
+            offset = 0
+            for s, e in recv_ranges:
+                buf[s:e].copy_(recv[offset:offset + e - s])
+                offset += e - s
+            self.comm_bytes["gather"] += common.nbytes(t_hi - t_lo, self.gather_dtype)
         # 5. orthogonalise every matrix with a piece here (Muon's own arithmetic), keep the local part
         for gi, g in enumerate(groups):
             mine = [p for p in self.pieces if self._group_of[p.index] == gi and has_grad[p.index]]
@@ -392,22 +425,109 @@ def _broadcasts_to(factor: torch.Tensor, param: torch.Tensor) -> bool:
         return False
 
 
-def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None) -> dict:
+def touched_ranges(layout, bucket: int, rank: int) -> tuple[list, list, tuple]:
+    """The ``"touched"`` gather of one bucket for ``rank`` (:class:`DistributedMuon`).
+
+    The matrices with a piece in ``rank``'s shard occupy one contiguous interval ``[t_lo, t_hi)`` of the flat
+    buffer (the shard is contiguous, and so is each matrix), which contains the shard's parameter elements
+    (not the padding at a bucket's end). Rank ``q`` sends rank
+    ``r`` the part of ``q``'s shard that lies in ``r``'s interval (nothing to itself).
+
+    Args:
+        layout: a :class:`optbook.distributed.zero1.Layout`; ``bucket``: an index into ``layout.buckets``;
+            ``rank``: a rank of ``0 .. layout.world_size - 1``.
+
+    Returns:
+        ``(send, recv, (t_lo, t_hi))``: ``send[r]``: the ``(start, end)`` buffer range of this rank's shard
+        that goes to rank ``r``; ``recv[q]``: the range that comes from rank ``q`` (both empty for ``q = r =
+        rank``); the interval in buffer elements (``t_lo = t_hi`` = the shard's start when no matrix has a
+        piece in the shard).
+    """
+    b = layout.buckets[bucket]
+    d = layout.world_size
+
+    def interval(r):
+        idx = [p.index for p in layout.pieces(r) if p.bucket == bucket]
+        lo, _ = b.shard(r)
+        if not idx:
+            return lo, lo
+        return min(layout.params[i].start for i in idx), max(layout.params[i].end for i in idx)
+
+    def overlap(q, r):
+        if q == r:
+            return (0, 0)
+        (lo, hi), (t_lo, t_hi) = b.shard(q), interval(r)
+        s, e = max(lo, t_lo), min(hi, t_hi)
+        return (s, e) if s < e else (0, 0)
+
+    return [overlap(rank, r) for r in range(d)], [overlap(q, rank) for q in range(d)], interval(rank)
+
+
+def zero1_comm_bytes(layout, gather_dtype: torch.dtype | None = None, grad_dtype=None, *, gather: str = "all",
+                     rank: int | None = None) -> dict:
     """Bytes one ZeRO-1 step moves for ``layout`` (:func:`optbook.distributed.shard_layout`), by the
     module docstring's convention: a reduce-scatter of every bucket in its gradient dtype (``grad_dtype``,
     default: float32 for float16/bfloat16 buckets, else the bucket's dtype, as ``DistributedOptimizer``) and
     an all-gather of every bucket in its parameter dtype. With ``gather_dtype``, also Moonlight's gather of
-    the momentum-updated buckets in that dtype (:class:`DistributedMuon`).
+    the momentum-updated buckets in that dtype (:class:`DistributedMuon`): every bucket (``gather="all"``),
+    or the touched interval of ``rank`` (``gather="touched"``, :func:`touched_ranges`; ``rank`` required).
 
     Returns:
         ``{"reduce_scatter": int, "all_gather": int, "gather": int (0 without gather_dtype), "total": int}``.
+
+    Raises:
+        ValueError: ``gather`` not in :data:`GATHERS`, or ``"touched"`` without a ``rank``.
     """
+    if gather not in GATHERS:
+        raise ValueError(f"Invalid gather: expected one of {GATHERS}, got {gather!r}")
+    if gather == "touched" and gather_dtype is not None and rank is None:
+        raise ValueError("Invalid rank: gather='touched' counts one rank's gather; pass rank=")
     out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
-    for b in layout.buckets:
+    for i, b in enumerate(layout.buckets):
         gd = grad_dtype or (torch.float32 if b.dtype in LOW_PRECISION else b.dtype)
         out["reduce_scatter"] += common.nbytes(b.numel, gd)
         out["all_gather"] += common.nbytes(b.numel, b.dtype)
-        if gather_dtype is not None:
-            out["gather"] += common.nbytes(b.numel, gather_dtype)
+        if gather_dtype is not None and b.numel:
+            if gather == "all":
+                out["gather"] += common.nbytes(b.numel, gather_dtype)
+            elif layout.world_size > 1:
+                t_lo, t_hi = touched_ranges(layout, i, rank)[2]
+                out["gather"] += common.nbytes(t_hi - t_lo, gather_dtype)
     out["total"] = out["reduce_scatter"] + out["all_gather"] + out["gather"]
+    return out
+
+
+def received_bytes(layout, rank: int, gather_dtype: torch.dtype | None = None, grad_dtype=None, *,
+                   gather: str = "all") -> dict:
+    """Bytes ``rank`` receives in one step's bucket collectives, by
+    :class:`optbook.distributed.wire.CommCounter`'s rules, for ZeRO-1 (``gather_dtype=None``: the reduce-scatter
+    and the all-gather of :class:`optbook.distributed.DistributedOptimizer` on its NCCL path) or
+    :class:`DistributedMuon` (with its gather). With ``d`` ranks and a bucket of ``n`` elements (shard
+    ``n / d``): the reduce-scatter ``(d - 1) n / d`` gradient elements, the all-gather ``(d - 1) n / d``
+    parameter elements, the gather ``(d - 1) n / d`` elements (``"all"``) or the touched interval less the
+    own shard's part of it (``"touched"``), in ``gather_dtype``. The control all-reduces are not included.
+
+    Returns:
+        ``{"reduce_scatter": int, "all_gather": int, "gather": int}`` (``"gather"`` 0 without
+        ``gather_dtype``); key names are the collectives' (the ``"touched"`` gather is an all-to-all).
+
+    Raises:
+        ValueError: ``gather`` not in :data:`GATHERS`.
+    """
+    if gather not in GATHERS:
+        raise ValueError(f"Invalid gather: expected one of {GATHERS}, got {gather!r}")
+    d = layout.world_size
+    out = {"reduce_scatter": 0, "all_gather": 0, "gather": 0}
+    for i, b in enumerate(layout.buckets):
+        if not b.numel or d == 1:
+            continue
+        gd = grad_dtype or (torch.float32 if b.dtype in LOW_PRECISION else b.dtype)
+        out["reduce_scatter"] += common.nbytes((d - 1) * b.shard_numel, gd)
+        out["all_gather"] += common.nbytes((d - 1) * b.shard_numel, b.dtype)
+        if gather_dtype is not None:
+            if gather == "all":
+                out["gather"] += common.nbytes((d - 1) * b.shard_numel, gather_dtype)
+            else:
+                _, recv, _ = touched_ranges(layout, i, rank)
+                out["gather"] += common.nbytes(sum(e - s for s, e in recv), gather_dtype)
     return out

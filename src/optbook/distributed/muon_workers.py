@@ -7,10 +7,12 @@ problem.
 from __future__ import annotations
 
 import warnings
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
+from .wire import CommCounter, all_reduce_received
 from .workers import spread_over_ranks
 
 __all__ = [
@@ -98,52 +100,67 @@ def layerwise_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
 
     Returns:
         ``{"params", "owners", "loads", "comm_bytes", "predicted" (one step's bytes times steps),
-        "state_numel" (momentum elements this rank holds), "checkpoint" (consolidated on the group's last
-        rank, else None)}``.
+        "received" (:class:`~optbook.distributed.wire.CommCounter`'s count over the steps), "state_numel"
+        (momentum elements this rank holds), "checkpoint" (consolidated on the group's last rank, else
+        None)}``.
     """
     from .layerwise_muon import LayerWiseMuon
 
     params, groups = muon_problem(seed)
     opt = LayerWiseMuon(groups, process_group=group, assignment=assignment, **MUON_OPTIONS)
-    for t in range(steps):
-        set_grads(params, muon_grads(params, t, rank, world_size, seed))
-        opt.step()
+    with CommCounter() as counter:
+        for t in range(steps):
+            set_grads(params, muon_grads(params, t, rank, world_size, seed))
+            opt.step()
     opt.consolidate_state_dict(to=world_size - 1)
     checkpoint = opt.state_dict() if rank == world_size - 1 else None
     pred = opt.predicted_comm_bytes([g is not None for g in muon_mean_grads(params, 0, seed)])
     return {"params": [p.detach().clone() for p in params], "owners": opt.owners, "loads": opt.loads,
             "comm_bytes": dict(opt.comm_bytes), "predicted": {k: steps * v for k, v in pred.items()},
+            "received": dict(counter.received),
             "state_numel": sum(s["momentum_buffer"].numel() for s in opt.state.values()),
             "checkpoint": checkpoint}
 
 
 def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0, group=None,
-                    gather_dtype: torch.dtype = torch.float64) -> dict:
-    """:class:`~optbook.distributed.DistributedMuon` on :func:`muon_problem` (small alignments, so matrices
-    are cut across ranks).
+                    gather_dtype: torch.dtype = torch.float64, gather: str = "all") -> dict:
+    """:class:`~optbook.distributed.DistributedMuon` (``gather=`` ``"all"`` or ``"touched"``) on
+    :func:`muon_problem` (small alignments, so matrices are cut across ranks).
 
     Returns:
-        ``{"params", "comm_bytes", "predicted" (:func:`zero1_comm_bytes` times steps), "state_numel",
-        "split" (indices of parameters cut across two or more ranks), "checkpoint" (consolidated on the
-        group's last rank, else None)}``.
+        ``{"params", "comm_bytes", "predicted" (:func:`zero1_comm_bytes` times steps), "received"
+        (:class:`~optbook.distributed.wire.CommCounter`'s count over the steps), "received_predicted"
+        (:func:`~optbook.distributed.distributed_muon.received_bytes` times steps, plus the control
+        all-reduces), "state_numel", "split" (indices of parameters cut across two or more ranks),
+        "checkpoint" (consolidated on the group's last rank, else None)}``.
     """
+    from .distributed_muon import received_bytes
     from .layerwise_muon import DistributedMuon, zero1_comm_bytes
 
     params, groups = muon_problem(seed)
-    opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, **MOONLIGHT_LAYOUT,
-                          **MUON_OPTIONS)
-    for t in range(steps):
-        set_grads(params, muon_grads(params, t, rank, world_size, seed))
-        opt.step()
+    opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, gather=gather,
+                          **MOONLIGHT_LAYOUT, **MUON_OPTIONS)
+    with CommCounter() as counter:
+        for t in range(steps):
+            set_grads(params, muon_grads(params, t, rank, world_size, seed))
+            opt.step()
     opt.consolidate_state_dict(to=world_size - 1)
     checkpoint = opt.state_dict() if rank == world_size - 1 else None
-    pred = zero1_comm_bytes(opt.layout, gather_dtype)
+    pred = zero1_comm_bytes(opt.layout, gather_dtype, gather=gather, rank=rank)
+    wire = received_bytes(opt.layout, rank, gather_dtype, gather=gather)
+    key = "all_gather" if gather == "all" else "all_to_all"
+    received_predicted = {"reduce_scatter": steps * wire["reduce_scatter"],
+                          "all_reduce": steps * all_reduce_received(8 * (1 + len(params)) + 16, world_size)}
+    received_predicted["all_gather"] = steps * wire["all_gather"] + (steps * wire["gather"] if key == "all_gather" else 0)
+    if key == "all_to_all":
+        received_predicted["all_to_all"] = steps * wire["gather"]
     holders = {}
     for r in range(world_size):
         for piece in opt.layout.pieces(r):
             holders.setdefault(piece.index, set()).add(r)
     return {"params": [p.detach().clone() for p in params], "comm_bytes": dict(opt.comm_bytes),
             "predicted": {k: steps * v for k, v in pred.items() if k != "total"},
+            "received": dict(counter.received), "received_predicted": received_predicted,
             "state_numel": sum(m.numel() for m in opt.momentum_shard.values()),
             "split": sorted(i for i, rs in holders.items() if len(rs) > 1), "checkpoint": checkpoint}
 
@@ -223,7 +240,7 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     # one scheduler drives both members; constructor errors
     sched = torch.optim.lr_scheduler.LambdaLR(chain, lambda s: 0.5 ** s)
     with warnings.catch_warnings():  # stepped before any optimizer step on purpose: only the lr is read
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         sched.step()
     lrs = [g["lr"] for g in chain.param_groups]
     errors = {}
@@ -281,53 +298,117 @@ def chapter_transformer(seed: int = 0):
 
 
 def transformer_comm(rank: int, world_size: int, *, group=None, seed: int = 0) -> dict:
-    """One step on :func:`chapter_transformer` with random gradients, counting bytes: (a) ZeRO-1 AdamW over
-    every parameter (``DistributedOptimizer``; bytes by :func:`zero1_comm_bytes` of its layout: its step is one
-    reduce-scatter and one all-gather per bucket); (b) Moonlight: ``DistributedMuon`` (bfloat16 gather) over
-    the Muon matrices plus ``DistributedOptimizer(AdamW)`` over the rest, bytes measured by
-    ``DistributedMuon.comm_bytes`` plus the formula for the AdamW part; (c) ``LayerWiseMuon`` measured.
+    """One step on :func:`chapter_transformer` with random gradients, each wrapper inside a
+    :class:`~optbook.distributed.wire.CommCounter` (the bytes this rank receives), next to the formulas:
+
+    * ``"dp"``: plain data parallelism, one ``all_reduce`` of the flat float32 gradients;
+    * ``"zero1"``: ZeRO-1 AdamW over every parameter (``DistributedOptimizer``) on its reduce-scatter /
+      all-gather path (the one it takes with NCCL); ``"zero1_gloo"``: the same on gloo's default path (an
+      all-reduce of each bucket, then one broadcast per shard);
+    * ``"moonlight_all"`` / ``"moonlight_touched"``: ``DistributedMuon`` (bfloat16 gather, ``gather="all"``
+      or ``"touched"``) over the Muon matrices plus ZeRO-1 AdamW (reduce-scatter path) over the rest;
+    * ``"layerwise"``: ``LayerWiseMuon`` over the Muon matrices plus the same ZeRO-1 AdamW over the rest.
 
     Returns:
-        ``{"adamw": {...}, "muon": {...} (DistributedMuon's measured bytes), "rest": {...} (AdamW part),
-        "predicted_muon": zero1_comm_bytes of DistributedMuon's layout, "layerwise": measured bytes,
-        "n_matrix": elements in Muon matrices, "n_total": all elements}``.
+        ``{name: {"received": {collective: bytes}, "predicted": {collective: bytes}}}`` for the five names, plus
+        ``"muon_all"`` / ``"muon_touched"``: ``DistributedMuon.comm_bytes`` (buffer convention) and
+        ``"n_matrix"``, ``"n_total"`` (elements in Muon matrices, in all parameters). The byte counts are ints,
+        or :class:`fractions.Fraction` where a ring all-reduce's share is not whole.
     """
     from ..optim import muon_param_groups
-    from .layerwise_muon import DistributedMuon, LayerWiseMuon, zero1_comm_bytes
+    from .distributed_muon import received_bytes
+    from .layerwise_muon import DistributedMuon, LayerWiseMuon
     from .zero1 import DistributedOptimizer
 
-    model_a, model_b, model_c = (chapter_transformer(seed) for _ in range(3))
-    for m in (model_a, model_b, model_c):
+    f32 = torch.float32
+
+    def model_with_grads():
+        m = chapter_transformer(seed)
         gen = _gen(seed + 99)
         for p in m.parameters():
             p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-    adamw = DistributedOptimizer(model_a.parameters(), process_group=group, lr=1e-3)
-    adamw.step()
-    routing = muon_param_groups(model_b)
-    strip = [{k: v for k, v in g.items() if k != "param_names"} for g in routing.muon]
-    rest = [{k: v for k, v in g.items() if k != "param_names"} for g in routing.adamw]
-    muon = DistributedMuon(strip, process_group=group, lr=0.02)
-    other = DistributedOptimizer(rest, process_group=group, lr=1e-3)
-    muon.step()
-    other.step()
-    routing_c = muon_param_groups(model_c)
-    layerwise = LayerWiseMuon([{k: v for k, v in g.items() if k != "param_names"} for g in routing_c.muon],
-                              process_group=group, lr=0.02)
-    layerwise.step()
-    n_matrix = sum(p.numel() for g in strip for p in g["params"])
-    return {"adamw": zero1_comm_bytes(adamw.layout), "muon": dict(muon.comm_bytes),
-            "rest": zero1_comm_bytes(other.layout), "predicted_muon": zero1_comm_bytes(muon.layout, torch.bfloat16),
-            "layerwise": dict(layerwise.comm_bytes), "n_matrix": n_matrix,
-            "n_total": sum(p.numel() for p in model_a.parameters())}
+        return m
+
+    def plain(groups):
+        return [{k: v for k, v in g.items() if k != "param_names"} for g in groups]
+
+    def add(*dicts):
+        out = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def zero1(params_or_groups, gloo_path: bool):
+        opt = DistributedOptimizer(params_or_groups, process_group=group, lr=1e-3)
+        # DistributedOptimizer picks an all-reduce and broadcasts on gloo (faster there); switching the flag
+        # off runs its reduce-scatter / all-gather path, the one it takes with NCCL.
+        opt._gloo_collectives = gloo_path = gloo_path and opt._gloo_collectives  # (NCCL: never the gloo path)
+        n = len(opt._params)
+        control = {"all_reduce": all_reduce_received(8 * (2 + n), world_size)}
+        if gloo_path:
+            wire = received_bytes(opt.layout, rank)
+            pred = {"all_reduce": control["all_reduce"] + sum(
+                        all_reduce_received(4 * b.numel, world_size) for b in opt.layout.buckets if b.numel),
+                    "broadcast": wire["all_gather"]}
+        else:
+            wire = received_bytes(opt.layout, rank)
+            pred = {**control, "reduce_scatter": wire["reduce_scatter"], "all_gather": wire["all_gather"]}
+        return opt, pred
+
+    out = {}
+    # plain data parallelism: one all-reduce of every gradient
+    model = model_with_grads()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    with CommCounter() as c:
+        dist.all_reduce(flat, group=group)
+    out["dp"] = {"received": c.received, "predicted": {"all_reduce": all_reduce_received(4 * flat.numel(), world_size)}}
+    for name, gloo_path in (("zero1", False), ("zero1_gloo", True)):
+        opt, pred = zero1(model_with_grads().parameters(), gloo_path)
+        with CommCounter() as c:
+            opt.step()
+        out[name] = {"received": c.received, "predicted": pred}
+    for gather in ("all", "touched"):
+        routing = muon_param_groups(model_with_grads())
+        muon = DistributedMuon(plain(routing.muon), process_group=group, lr=0.02, gather=gather)
+        rest, rest_pred = zero1(plain(routing.adamw), False)
+        wire = received_bytes(muon.layout, rank, torch.bfloat16, gather=gather)
+        n = len(muon._params)
+        muon_pred = {"reduce_scatter": wire["reduce_scatter"],
+                     "all_reduce": all_reduce_received(8 * (1 + n) + 16, world_size)}
+        if gather == "all":
+            muon_pred["all_gather"] = wire["all_gather"] + wire["gather"]
+        else:
+            muon_pred.update(all_gather=wire["all_gather"], all_to_all=wire["gather"])
+        with CommCounter() as c:
+            muon.step()
+            rest.step()
+        out[f"moonlight_{gather}"] = {"received": c.received, "predicted": add(muon_pred, rest_pred)}
+        out[f"muon_{gather}"] = dict(muon.comm_bytes)
+        out["n_matrix"] = sum(p.numel() for p in muon._params)
+    routing = muon_param_groups(model_with_grads())
+    layerwise = LayerWiseMuon(plain(routing.muon), process_group=group, lr=0.02)
+    rest, rest_pred = zero1(plain(routing.adamw), False)
+    lw = layerwise.predicted_comm_bytes()  # buffer convention: received is (d - 1) / d of it
+    lw_pred = {"all_reduce": Fraction(world_size - 1, world_size) * (lw["all_reduce"] + 2 * lw["control"]),
+               "all_gather": Fraction(world_size - 1, world_size) * lw["all_gather"]}
+    with CommCounter() as c:
+        layerwise.step()
+        rest.step()
+    out["layerwise"] = {"received": c.received, "predicted": add(lw_pred, rest_pred)}
+    out["n_total"] = sum(p.numel() for p in model.parameters())
+    return out
 
 
 def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 4) -> dict:
     """Everything chapter 14 runs on processes, in one launch: for each ``d`` in ``sizes``, on the first ``d``
-    processes: :func:`layerwise_train`, :func:`moonlight_train` (float64 gather), :func:`chain_train`,
+    processes: :func:`layerwise_train`, :func:`moonlight_train` (float64 gather, ``"all"`` and ``"touched"``),
+    :func:`chain_train`,
     :func:`tp_modes` on a ``(96, 32)`` matrix split by rows and by columns and :func:`transformer_comm`.
 
     Returns:
-        ``{d: report or None}`` with report keys ``"layerwise"``, ``"moonlight"``, ``"chain"``, ``"tp_rows"``,
+        ``{d: report or None}`` with report keys ``"layerwise"``, ``"moonlight"``, ``"moonlight_touched"``,
+        ``"chain"``, ``"tp_rows"``,
         ``"tp_cols"``, ``"comm"``.
     """
     torch.set_num_threads(1)
@@ -339,6 +420,7 @@ def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: in
             g = groups[d]
             report = {"layerwise": layerwise_train(rank, d, steps=steps, group=g),
                       "moonlight": moonlight_train(rank, d, steps=steps, group=g),
+                      "moonlight_touched": moonlight_train(rank, d, steps=steps, group=g, gather="touched"),
                       "chain": chain_train(rank, d, group=g),
                       "tp_rows": tp_modes(rank, d, shape=(96, 32), partition_dim=0, group=g),
                       "tp_cols": tp_modes(rank, d, shape=(96, 32), partition_dim=1, group=g),
