@@ -40,6 +40,21 @@ def transformer_shapes(layers: int = 8, width: int = 384, vocab: int = 8192) -> 
     return shapes + [(width,), (width,)]
 
 
+def timing_setup(doc: str, rounds: int) -> tuple[argparse.Namespace, list[tuple[int, ...]], list[torch.Tensor],
+                                                list[torch.Tensor]]:
+    """What the single-process step benchmarks share: ``--rounds`` (default ``rounds``) and ``--threads``
+    parsed with ``doc``'s first line as the description, torch's threads and seed set, and the parameter set
+    of :func:`transformer_shapes` with one gradient per tensor. Returns ``(args, shapes, params, grads)``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes = transformer_shapes()
+    return args, shapes, [torch.randn(s) for s in shapes], [torch.randn(s) * 1e-2 for s in shapes]
+
+
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     if kind == "optbook":
@@ -50,16 +65,7 @@ def make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median reported)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    shapes = transformer_shapes()
-    base = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) * 1e-2 for s in shapes]
+    args, shapes, base, grads = timing_setup(__doc__, rounds=7)
     numel = sum(p.numel() for p in base)
     kinds = ["optbook", "torch for-loop", "torch foreach", "torch fused"]
     optimizers, params = {}, {}

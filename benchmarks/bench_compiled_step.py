@@ -16,12 +16,11 @@ the first step compiles: tens of seconds, minutes on 2 busy cores).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from bench_adamw import transformer_shapes
+from bench_adamw import timing_setup
 from recording import save
 from torch.utils.benchmark import Timer
 
@@ -31,16 +30,8 @@ KW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    args, shapes, base, grads = timing_setup(__doc__, rounds=5)
 
-    shapes = transformer_shapes()
-    base = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) * 1e-2 for s in shapes]
     numel = sum(p.numel() for p in base)
     kinds = ["optbook eager", "optbook compiled", "torch fused"]
     params, steps = {}, {}

@@ -22,11 +22,10 @@ Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_contract_overhead.py
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from bench_adamw import transformer_shapes
+from bench_adamw import timing_setup
 from recording import save
 from torch.utils.benchmark import Timer
 
@@ -55,15 +54,7 @@ def build(kind: str, base: list[torch.Tensor], grads: list[torch.Tensor]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    shapes = transformer_shapes()
-    base = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) * 1e-2 for s in shapes]
+    args, shapes, base, grads = timing_setup(__doc__, rounds=5)
     numel = sum(p.numel() for p in base)
 
     kinds = ("MixedPrecisionOptimizer", "OffloadOptimizer", "ChainedOptimizer")
