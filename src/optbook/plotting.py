@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "flowchart", "shard_layout", "subplots", "use_book_style"]
+__all__ = ["COLORS", "flowchart", "qk_clip_layout", "shard_layout", "subplots", "use_book_style"]
 
 #: One colour per optimizer (and per line style family) across all chapters.
 COLORS = {
@@ -130,3 +130,62 @@ def shard_layout(ax, layout, names: list[str] | None = None) -> list[tuple[str, 
         for piece in layout.pieces(rank):
             holders[piece.index].add(rank)
     return [(names[r.index], sorted(holders[r.index])) for r in layout.params]
+
+
+def qk_clip_layout(ax, q_factor, k_factor, max_logits, *, title: str = "") -> list[float]:
+    """Draw where QK-clip's factors go in one attention layer: a row of query-head blocks of ``W_q``
+    (one per head, labelled with the head's ``S_max``), below it the key-head blocks of ``W_k`` (a key
+    head spans the query heads that share it), each block coloured and labelled with its factor
+    (blue: shrunk, grey: 1, red: enlarged), and below that the factor each head's logits get.
+    Explained in chapter 8.
+
+    Args:
+        ax: a matplotlib ``Axes`` (its axis is switched off).
+        q_factor: the query-row factor of each head, shape ``(n_heads,)``.
+        k_factor: the key-row factor of each key head, shape ``(n_kv_heads,)``; ``n_kv_heads`` divides
+            ``n_heads``, and query head ``h`` reads key head ``h // (n_heads // n_kv_heads)``.
+        max_logits: each head's ``S_max`` before the clip, shape ``(n_heads,)``.
+        title: the panel title.
+
+    Returns:
+        The factor drawn under each head for its logits, ``q_factor[h] * k_factor[g(h)]`` with ``g(h)``
+        the key block drawn under head ``h`` (Python floats), so a cell can assert what the figure shows.
+
+    Raises:
+        ValueError: the shapes do not fit together.
+    """
+    from matplotlib.patches import Rectangle
+
+    q, k, s = ([float(v) for v in x.flatten().tolist()] for x in (q_factor, k_factor, max_logits))
+    H, n_kv = len(q), len(k)
+    if len(s) != H or n_kv < 1 or H % n_kv:
+        raise ValueError(f"Invalid shapes: q_factor has {H} heads, k_factor {n_kv}, max_logits {len(s)}; "
+                         "n_kv_heads must divide n_heads and max_logits needs one value per head")
+    group = H // n_kv
+    cmap, norm = mpl.colormaps["coolwarm"], mpl.colors.TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=2.0)
+    ax.set_axis_off()
+    w, gap = 1.5, 0.2
+
+    def block(x0, width, y, factor):
+        ax.add_patch(Rectangle((x0, y), width, 0.8, facecolor=cmap(norm(min(factor, 2.0))), edgecolor="0.3",
+                               lw=0.8))
+        ax.text(x0 + width / 2, y + 0.4, f"\u00d7 {factor:.3g}", ha="center", va="center", fontsize=9)
+
+    drawn = []
+    for h in range(H):
+        x0 = h * (w + gap)
+        ax.text(x0 + w / 2, 2.25, f"head {h}\nS_max = {s[h]:g}", ha="center", va="bottom", fontsize=8)
+        block(x0, w, 1.3, q[h])
+        g = int((x0 + w / 2) // (group * (w + gap)))     # the key block drawn under this head
+        drawn.append(q[h] * k[g])
+        ax.text(x0 + w / 2, -0.35, f"\u00d7 {drawn[-1]:.3g} \u2192 {drawn[-1] * s[h]:.3g}", ha="center",
+                va="center", fontsize=8.5,
+                fontweight="bold" if drawn[-1] != 1 else "normal")
+    for g in range(n_kv):
+        block(g * group * (w + gap), group * w + (group - 1) * gap, 0.2, k[g])
+    for y, text in ((1.7, "W_q rows"), (0.6, "W_k rows"), (-0.35, "logits, S_max")):
+        ax.text(-0.2, y, text, ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.9, H * (w + gap))
+    ax.set_ylim(-0.8, 3.0)
+    ax.set_title(title, fontsize=10)
+    return drawn
