@@ -149,6 +149,48 @@ def test_the_sweep_table_is_what_the_sweep_data_says():
 INTERNAL = re.compile(r"(\bseed(?:s)?\s*(?:notes?|document|00\d|§)|\b00[03]\s*§|\bknown(?: failure)? cases?\b"
                       r"|project's (?:list|known)|\bcases?\s+\d+(?:\s*[–-]\s*\d+)? (?:of|in) (?:the|our)|shared/cases)", re.I)
 
+# Nor do they have the task that asked for a change, its review, or the machine it was made on. "The seed"
+# is flagged only as a source (the seed's text, says, notes ...), not as a random seed ("depends on the
+# seed"); "case N" only as a numbered case, not "one-step cases 0.95 / 0.85" (a decimal).
+WORKSHOP = re.compile(r"(\bthe issue\b(?! tracker)|\bissue's\b|\bthe target was\b|\bthis project's (?:CPU|machine)\b"
+                      r"|\bthe reviewers?\b|\bthe notes\b"
+                      r"|\bthe seed(?:'s\b|\s+(?:says|said|notes?|text|document|file|lists?|asks|requires|specifies|describes)\b)"
+                      r"|\b(?:according to|as in|see|per) the seed\b(?![- ]\w)"
+                      r"|\bcases?\s+(?:(?-i:N)\b|\d+\b(?![.,]\d)))", re.I)
+CHAPTERS = NOTEBOOKS + sorted((ROOT / "book").glob("*.md"))
+
+
+def _cells(path):
+    if path.suffix == ".md":
+        return [path.read_text()]
+    return ["".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_the_prose_speaks_to_a_reader_not_to_the_workshop(path):
+    for i, source in enumerate(_cells(path)):
+        hit = WORKSHOP.search(source)
+        assert not hit, f"cell {i} speaks of the task, its review or its machine: {hit.group(0)!r}"
+
+
+@pytest.mark.parametrize("text, flagged", [
+    ("the issue's targets", True), ("as the issue asks", True), ("the target was at most 1.2x", True),
+    ("on this project's CPU", True), ("the reviewer found", True), ("see the notes", True),
+    ("case 3 of the list", True), ("cases 11-13", True), ("case N", True), ("the seed's chapter list", True),
+    ("as the seed says", True), ("according to the seed", True),
+    ("the issue tracker", False), ("it depends on the seed and the CPU", False), ("the seed-to-seed spread", False),
+    ("the one-step cases 0.95 / 0.85", False), ("in case n = m", False), ("marin2026issue6505", False),
+    ("the target is a held-out loss", False), ("each seed of the sweep", False),
+])
+def test_the_workshop_words_are_caught_and_ordinary_words_are_not(text, flagged):
+    assert bool(WORKSHOP.search(text)) is flagged, text
+
+
+def test_the_docstrings_speak_to_a_reader_not_to_the_workshop():
+    for path in sorted((ROOT / "src" / "optbook").rglob("*.py")):
+        hit = WORKSHOP.search(path.read_text())
+        assert not hit, f"{path.relative_to(ROOT)} speaks of the task, its review or its machine: {hit.group(0)!r}"
+
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_prose_cites_primary_sources_not_internal_notes(path):
