@@ -94,6 +94,17 @@ def muon_reference(steps: int = 4, seed: int = 0) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+def _train_counted(opt, params, steps: int, rank: int, world_size: int, seed: int):
+    """``steps`` steps of ``opt`` on :func:`muon_grads` with the bytes on the wire counted; then the state
+    consolidated on the group's last rank. Returns ``(counter, checkpoint or None)``."""
+    with CommCounter() as counter:
+        for t in range(steps):
+            set_grads(params, muon_grads(params, t, rank, world_size, seed))
+            opt.step()
+    opt.consolidate_state_dict(to=world_size - 1)
+    return counter, (opt.state_dict() if rank == world_size - 1 else None)
+
+
 def layerwise_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0, group=None,
                     assignment: str = "lpt") -> dict:
     """:class:`~optbook.distributed.LayerWiseMuon` on :func:`muon_problem` for ``steps`` steps.
@@ -108,12 +119,7 @@ def layerwise_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
 
     params, groups = muon_problem(seed)
     opt = LayerWiseMuon(groups, process_group=group, assignment=assignment, **MUON_OPTIONS)
-    with CommCounter() as counter:
-        for t in range(steps):
-            set_grads(params, muon_grads(params, t, rank, world_size, seed))
-            opt.step()
-    opt.consolidate_state_dict(to=world_size - 1)
-    checkpoint = opt.state_dict() if rank == world_size - 1 else None
+    counter, checkpoint = _train_counted(opt, params, steps, rank, world_size, seed)
     pred = opt.predicted_comm_bytes([g is not None for g in muon_mean_grads(params, 0, seed)])
     return {"params": [p.detach().clone() for p in params], "owners": opt.owners, "loads": opt.loads,
             "comm_bytes": dict(opt.comm_bytes), "predicted": {k: steps * v for k, v in pred.items()},
@@ -140,12 +146,7 @@ def moonlight_train(rank: int, world_size: int, *, steps: int = 4, seed: int = 0
     params, groups = muon_problem(seed)
     opt = DistributedMuon(groups, process_group=group, gather_dtype=gather_dtype, gather=gather,
                           **MOONLIGHT_LAYOUT, **MUON_OPTIONS)
-    with CommCounter() as counter:
-        for t in range(steps):
-            set_grads(params, muon_grads(params, t, rank, world_size, seed))
-            opt.step()
-    opt.consolidate_state_dict(to=world_size - 1)
-    checkpoint = opt.state_dict() if rank == world_size - 1 else None
+    counter, checkpoint = _train_counted(opt, params, steps, rank, world_size, seed)
     pred = zero1_comm_bytes(opt.layout, gather_dtype, gather=gather, rank=rank)
     wire = received_bytes(opt.layout, rank, gather_dtype, gather=gather)
     key = "all_gather" if gather == "all" else "all_to_all"
