@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from optbook.contract import NonFiniteGradientError
+from optbook.distributed.fsdp2_workers import set_sharded_grads, shard_model as shard
 from optbook.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, ScheduleFreeAdamW
 
 #: name -> (class, options); every element-wise optimizer of optbook.optim.
@@ -34,27 +35,9 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
 
 
-def shard(model: nn.Module) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model
-
-
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     return torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
-
-
-def set_sharded_grads(sharded: nn.Module, reference: nn.Module) -> None:
-    from torch.distributed.tensor import distribute_tensor
-
-    for p, r in zip(sharded.parameters(), reference.parameters()):
-        g = r.grad.detach().clone()
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g
 
 
 def full(t) -> torch.Tensor:
@@ -238,11 +221,7 @@ def qk_clip_run(rank: int, world_size: int) -> dict:
             attn.q_proj.weight.mul_(8.0)
             attn.k_proj.weight.mul_(8.0)
     sharded = copy.deepcopy(reference)
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in sharded.layers:
-        fully_shard(layer)
-    fully_shard(sharded)
+    shard(sharded, layers=list(sharded.layers))
     tokens = torch.randint(0, 16, (4 * world_size, 8), generator=torch.Generator().manual_seed(4))
     share = tokens.shape[0] // world_size
     with torch.no_grad():

@@ -3,9 +3,9 @@
 FSDP2 keeps each parameter as a ``DTensor`` sharded by rows (``Shard(0)``, ``torch.chunk`` sizes: possibly
 uneven, possibly empty on the last ranks) and hands the optimizer each rank's rows of the mean gradient.
 Element-wise optimizers step those rows directly (:mod:`optbook.optim`). Muon cannot: Newton–Schulz needs
-the whole matrix (chapter 14). :class:`FSDP2Muon` brings each matrix to one *owner* rank and back, the
-"gather to owners, scatter back" design (torchtitan's and microsoft/dion's FSDP2 Muon move whole matrices to
-owners too; Dion's by all-to-all):
+the whole matrix (chapter 14). :class:`FSDP2Muon` brings each matrix to one *owner* rank and back, a
+"gather to owners, scatter back" design (microsoft/dion's FSDP2 Muon, ``dion/muon.py`` at commit 0c20549, also
+moves whole matrices, in batches of ``d`` matrices exchanged by all-to-all, each rank orthogonalising one):
 
 1. momentum on the local rows (element-wise, exactly Muon's ``lerp``; the buffer is a sharded ``DTensor``,
    ``1/d`` of Muon's state per rank) and the step direction (Nesterov's look-ahead) on the local rows;
@@ -135,6 +135,27 @@ class FSDP2Muon(Muon):
                 row += n
         dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group)
         return recv[: sizes[self.rank]]
+
+    def predicted_received_bytes(self, with_grad=None) -> dict:
+        """Bytes this rank receives in one :meth:`step`, by the design: for each matrix ``(m, n)`` of
+        ``b``-byte elements, with ``p = ceil(m / d)`` the rows of the largest shard (the collectives move
+        padded shards), the owner receives ``(d - 1) p n b`` in the gather and every other rank ``p n b`` in
+        the scatter. ``with_grad``: which parameters have a gradient (default: all).
+
+        Returns:
+            ``{"gather": int, "scatter": int}`` (what :class:`optbook.distributed.wire.CommCounter` counts).
+        """
+        d = self.world_size
+        out = {"gather": 0, "scatter": 0}
+        for i, p in enumerate(self._params):
+            if (with_grad is not None and not with_grad[i]) or d == 1:
+                continue
+            padded = max(_row_chunks(p.shape[0], d)) * p.shape[1] * p.element_size()
+            if self.owners[i] == self.rank:
+                out["gather"] += (d - 1) * padded
+            else:
+                out["scatter"] += padded
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):

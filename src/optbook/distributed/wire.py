@@ -28,7 +28,8 @@ def all_reduce_received(nbytes: int, world_size: int):
 
 
 #: The tensor collectives :class:`CommCounter` counts (torch's ``c10d`` operators, as the dispatcher sees them).
-COUNTED_OPS = ("allreduce_", "broadcast_", "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_")
+COUNTED_OPS = ("allreduce_", "broadcast_", "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_", "gather_",
+               "scatter_")
 
 
 class CommCounter:
@@ -45,12 +46,14 @@ class CommCounter:
     * ``all_gather(out, in)`` (``all_gather_single`` / ``all_gather_into_tensor``): the other ranks' pieces, ``bytes(out) - bytes(in)`` (exact for any algorithm);
     * ``all_to_all_single(out, in, output_split_sizes)``: the pieces from the other ranks, exact;
     * ``broadcast(t, src)``: ``bytes(t)`` on every rank but ``src``, exact;
+    * ``gather(t, dst)``: on ``dst``, the other ranks' tensors, ``(d - 1) bytes(t)``; elsewhere nothing, exact;
+    * ``scatter(out, src)``: ``bytes(out)`` on every rank but ``src``, exact;
     * ``reduce_scatter(out, in)``: ``(d - 1) bytes(out)``: the ring (and the direct exchange) receives
       ``d - 1`` partial chunks of the output's size;
     * ``all_reduce(t)``: ``2 (d - 1) / d bytes(t)`` (:func:`all_reduce_received`): the ring, a
       reduce-scatter then an all-gather of chunks of ``1/d``, bandwidth-optimal.
 
-    The first three are the bytes of other ranks' data that land in this rank's output, whatever algorithm
+    The first five are the bytes of other ranks' data that land in this rank's output, whatever algorithm
     the backend uses; the two reductions are the ring's (gloo and NCCL pick their algorithm by size).
 
     Collectives of a one-rank group deliver nothing. Other ``c10d`` operators (barriers, list collectives,
@@ -63,7 +66,8 @@ class CommCounter:
     """
 
     _NAMES = {"allreduce_": "all_reduce", "broadcast_": "broadcast", "_allgather_base_": "all_gather",
-              "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all"}
+              "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all", "gather_": "gather",
+              "scatter_": "scatter"}
 
     def __init__(self):
         self.received: dict = {}
@@ -102,6 +106,10 @@ class CommCounter:
         d, me = group.size(), group.rank()
         if op in ("allreduce_", "broadcast_"):
             (t,) = bound["tensors"]
+        elif op == "gather_":
+            (t,) = bound["input_tensors"]
+        elif op == "scatter_":
+            (t,) = bound["output_tensors"]
         else:
             t = bound["output"] if op == "alltoall_base_" else bound["output_tensor"]
         size = t.element_size()
@@ -115,6 +123,10 @@ class CommCounter:
             got = (t.numel() - bound["input_tensor"].numel()) * size
         elif op == "_reduce_scatter_base_":
             got = (d - 1) * t.numel() * size
+        elif op == "gather_":   # the root receives every other rank's input (equal sizes, as gather requires)
+            got = (d - 1) * t.numel() * size if bound["root_rank"] == me else 0
+        elif op == "scatter_":  # every rank but the root receives its piece
+            got = 0 if bound["root_rank"] == me else t.numel() * size
         else:  # alltoall_base_
             splits = list(bound["output_split_sizes"]) or [t.numel() // d] * d
             row = t.numel() // max(1, sum(splits)) if sum(splits) else 0
