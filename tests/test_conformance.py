@@ -119,6 +119,45 @@ def _schedulefree(params):
     return opt
 
 
+def _heavyball_stepper(make):
+    """``_torch_stepper`` for heavyball: its kernels run eagerly (``heavyball.utils.compile_mode = None``, its own
+    switch; ``compile_step=False`` is passed by the caller) and torch's default dtype is float64 while it builds
+    and steps. heavyball 3.2.1 forms its learning rate from an int64 step tensor (``ChainOpt._step_inner`` in
+    ``heavyball/chainable.py``: ``lr = base_lr * step / step.clamp(min=warmup_steps + 1)``), which takes torch's
+    default dtype: under float32 the learning rate carries a relative error up to 6e-8 from the first step.
+    Both settings are restored after each call."""
+    hb_utils = importlib.import_module("heavyball.utils")
+
+    def eager_float64(fn, *args):
+        saved_mode, saved_dtype = hb_utils.compile_mode, torch.get_default_dtype()
+        hb_utils.compile_mode = None
+        torch.set_default_dtype(F64)
+        try:
+            return fn(*args)
+        finally:
+            hb_utils.compile_mode = saved_mode
+            torch.set_default_dtype(saved_dtype)
+
+    inner, weights = eager_float64(_torch_stepper, make)
+    return lambda grads: eager_float64(inner, grads), weights
+
+
+def _hb(name: str, **kwargs):
+    """``heavyball.<name>(params, **kwargs)``, eager, one tensor at a time, float64 state, no caution or MARS
+    (their defaults, passed explicitly); heavyball is imported only when the pair runs."""
+    def make(ps):
+        cls = getattr(importlib.import_module("heavyball"), name)
+        return cls(ps, compile_step=False, multi_tensor=False, storage_dtype="float64", caution=False, mars=False,
+                   **kwargs)
+
+    return lambda: _heavyball_stepper(make)
+
+
+HB = "heavyball"
+#: what every heavyball row passes besides its own settings
+HB_COMMON = ("theirs `compile_step=False, multi_tensor=False, storage_dtype='float64', caution=False, mars=False`, "
+             "run with `heavyball.utils.compile_mode = None` and torch's default dtype float64")
+
 PO = "pytorch-optimizer"
 PAIRS = [
     Pair("sgd-torch", "SGD", "torch", "torch", "torch.optim.SGD",
@@ -205,14 +244,51 @@ PAIRS = [
          "`learning_rate=1e-3, b1=0.9, b2=0.99, weight_decay=0.1` (decoupled, multiplied by the learning rate)",
          lambda ps: Lion(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1),
          lambda: _optax_stepper(lambda optax: optax.lion(1e-3, b1=0.9, b2=0.99, weight_decay=0.1))),
+    Pair("sgd-heavyball", "SGD", HB, "heavyball", "heavyball.SGD",
+         "ours `lr=a, momentum=mu, nesterov=False`; theirs `lr=a*(1-mu), beta=mu` (heavy-ball sum `m = mu m + g`, "
+         "no Nesterov option); no weight decay (theirs is decoupled, `p (1 - lr wd)`, ours coupled); " + HB_COMMON,
+         lambda ps: SGD(ps, lr=0.1, momentum=0.9),
+         _hb("SGD", lr=0.1 * (1 - 0.9), beta=0.9)),
+    Pair("adamw-heavyball", "AdamW", HB, "heavyball", "heavyball.AdamW",
+         "`lr=1e-2, betas=(0.9, 0.999), eps=1e-8`, decoupled `weight_decay=0.1` (multiplied by lr in both); "
+         + HB_COMMON,
+         lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+         _hb("AdamW", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+         differs=(1, "eps placement: heavyball divides by `max(sqrt(v_hat), eps)` (`eps_sqrt` in "
+                     "heavyball/utils.py, called by `_compilable_exp_avg_sq_`), ours by `sqrt(v_hat) + eps`")),
+    Pair("adamw-heavyball-eps", "AdamW", HB, "heavyball", "heavyball.AdamW, eps below float64 resolution",
+         "as the row above with `eps=1e-30` in both, where `sqrt(v_hat) + eps` and `max(sqrt(v_hat), eps)` "
+         "round to the same number; their bias correction (an EMA with `beta_t = 1 - (1-beta)/(1-beta^t)`) "
+         "equals ours to rounding",
+         lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-30, weight_decay=0.1),
+         _hb("AdamW", lr=1e-2, betas=(0.9, 0.999), eps=1e-30, weight_decay=0.1)),
+    Pair("muon-heavyball", "Muon", HB, "heavyball", "heavyball.Muon",
+         "`lr=0.02, weight_decay=0.1`, ours `momentum=0.95, nesterov=True, coefficients='quintic', "
+         "ns_dtype=float64` (their five fixed Newton-Schulz triples, `zeropower_via_newtonschulz5`), "
+         "theirs `betas=(0.95, 0.99), heavyball_momentum=True, nesterov=True` (a sum buffer: their update is "
+         "`1/(1-mu)` times ours, which the Frobenius normalisation removes; their default `nesterov_ema` "
+         "orthogonalises `g + EMA(g)`, not proportional to ours); both scale by `max(1, rows/cols)^0.5`; "
+         + HB_COMMON,
+         lambda ps: Muon(ps, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients="quintic",
+                         ns_dtype=F64),
+         _hb("Muon", lr=0.02, betas=(0.95, 0.99), weight_decay=0.1, heavyball_momentum=True, nesterov=True)),
+    Pair("sf-adamw-heavyball", "ScheduleFreeAdamW", HB, "heavyball", "heavyball.SFAdamW",
+         "`lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, r=0, weight_lr_power=2`, ours "
+         "`warmup_steps=6`, theirs `warmup_steps=5` (their ramp is `lr t / max(t, warmup_steps + 1)`, ours "
+         "`lr min(1, t / warmup_steps)`); eps below float64 resolution as in the AdamW row (theirs is also "
+         "`max(sqrt(v_hat), eps)`); " + HB_COMMON,
+         lambda ps: ScheduleFreeAdamW(ps, lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=6),
+         _hb("SFAdamW", lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=5)),
 ]
 
 #: implementations considered and not compared, with the reason (rendered under the table)
 ABSENT = [
-    ("emerging-optimizers (NVIDIA-NeMo/Emerging-Optimizers)", "needs Python >= 3.12; this project's environment "
+    ("emerging-optimizers (NVIDIA-NeMo/Emerging-Optimizers)", "needs Python >= 3.12; the book's test environment "
      "runs Python 3.11, so pip finds no installable version"),
-    ("heavyball 3.2.1", "installs (no dependency beyond torch, numpy, opt-einsum) but no pair is written yet: its "
-     "optimizers are compiled chains of transforms whose float64 settings were not worked out"),
+    ("heavyball's SOAP and Shampoo-like optimizers (heavyball 3.2.1)", "not paired: `heavyball.SOAP` with the "
+     "same `lr, betas, shampoo_beta, eps, precondition_frequency=2, weight_decay` as `optbook.optim.SOAP` differs "
+     "by 2.5e-2 already at step 1, and the settings (if any) that make them agree were not worked out; heavyball "
+     "has no Lion (its `SignLaProp` is a different method)"),
 ]
 
 
