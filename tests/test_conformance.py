@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from optbook.optim import SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW
+from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW,
+                          Scion)
 
 STEPS = 50
 TOL = 1e-12
@@ -35,7 +36,7 @@ F64 = torch.float64
 class Pair:
     """One comparison. ``ours``/``theirs`` build an optimizer over a list of float64 tensors (``theirs`` may
     return ``(step_fn)`` for a non-torch implementation); ``differs`` is ``None`` (they agree) or
-    ``(step, why)``."""
+    ``(step, why)``; ``ours_start``, when given, returns the float64 tensors ours starts from."""
 
     ident: str
     ours_name: str
@@ -46,6 +47,7 @@ class Pair:
     ours: Callable
     theirs: Callable
     differs: tuple[int, str] | None = None
+    ours_start: Callable | None = None  # replaces ``_start`` for ours only (``theirs`` always starts from it)
 
 
 def _grads(t: int) -> list[torch.Tensor]:
@@ -151,6 +153,16 @@ def _hb(name: str, **kwargs):
                    **kwargs)
 
     return lambda: _heavyball_stepper(make)
+
+
+def _hb_scion_start() -> list[torch.Tensor]:
+    """``_start()`` after heavyball's Scion initialisation (``scion_auto_init_param_`` in heavyball/utils.py,
+    ``scale=1``, seed = the parameter's index in its group), which its first step writes over the weights."""
+    hb_utils = importlib.import_module("heavyball.utils")
+    params = _start()
+    for i, p in enumerate(params):
+        hb_utils.scion_auto_init_param_(p, 1.0, seed=i)
+    return params
 
 
 HB = "heavyball"
@@ -279,6 +291,24 @@ PAIRS = [
          "`max(sqrt(v_hat), eps)`); " + HB_COMMON,
          lambda ps: ScheduleFreeAdamW(ps, lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=6),
          _hb("SFAdamW", lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=5)),
+    Pair("scion-heavyball", "Scion", HB, "heavyball", "heavyball.Scion",
+         "`lr=0.01, weight_decay=0.1` (decoupled, multiplied by lr), ours `momentum=0.9, nesterov=False, "
+         "norm='spectral', radius=1, scale_mode='unit_rms_norm', coefficients='quintic', ns_dtype=float64`, theirs "
+         "`betas=(0.9, 0.9), scale=1` (a bias-corrected average, the same direction after orthogonalising); "
+         + HB_COMMON,
+         lambda ps: Scion(ps, lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.1, norm="spectral",
+                          coefficients="quintic", ns_dtype=F64),
+         _hb("Scion", lr=0.01, betas=(0.9, 0.9), weight_decay=0.1),
+         differs=(1, "heavyball's first step overwrites each matrix with a seeded orthogonal matrix times "
+                     "`scale * sqrt(fan_out / fan_in)` (`scion_auto_init_param_`, called by `scion_auto_norm` in "
+                     "heavyball/chainable.py) before stepping; ours keeps the weights it is given")),
+    Pair("scion-heavyball-init", "Scion", HB, "heavyball", "heavyball.Scion, ours started from its initialisation",
+         "as the row above, ours started from the weights heavyball's first step writes (`scion_auto_init_param_` "
+         "applied to the common start)",
+         lambda ps: Scion(ps, lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.1, norm="spectral",
+                          coefficients="quintic", ns_dtype=F64),
+         _hb("Scion", lr=0.01, betas=(0.9, 0.9), weight_decay=0.1),
+         ours_start=_hb_scion_start),
     Pair("soap-heavyball", "SOAP", HB, "heavyball", "heavyball.SOAP",
          "`lr=3e-3, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1, weight_decay=0.01`; "
          + HB_COMMON,
@@ -298,9 +328,9 @@ PAIRS = [
 ABSENT = [
     ("emerging-optimizers (NVIDIA-NeMo/Emerging-Optimizers)", "needs Python >= 3.12; the book's test environment "
      "runs Python 3.11, so pip finds no installable version"),
-    ("heavyball's other optimizers (heavyball 3.2.1)", "not paired: its `KLShampoo` and PSGD family are other "
-     "methods than `optbook.optim.Shampoo`, it has no Lion (`SignLaProp` is another method), and its `Scion` "
-     "was not compared"),
+    ("heavyball's other optimizers (heavyball 3.2.1)", "not paired: it has no plain Shampoo (its `KLShampoo` "
+     "accumulates KL-corrected Kronecker factors and applies `d_i^{-1/2}` from its own eigenbasis, arXiv:2509.03378; "
+     "PSGD is another preconditioner) and no Lion (`SignLaProp` is another method)"),
 ]
 
 
@@ -313,7 +343,7 @@ def _version(package: str) -> str:
 
 def _compare(pair: Pair) -> tuple[float, int | None]:
     """Run both for ``STEPS`` steps; return the largest difference and the first step exceeding ``TOL``."""
-    params = [p.clone().requires_grad_() for p in _start()]
+    params = [p.clone().requires_grad_() for p in (pair.ours_start or _start)()]
     ours = pair.ours(params)
     step, weights = pair.theirs()
     worst, first = 0.0, None
