@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from optbook.optim import SGD, Adafactor, Adam, AdaMuon, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW
+from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Lion, Muon, NorMuon, ScheduleFreeAdamW,
+                          Scion)
 
 STEPS = 50
 TOL = 1e-12
@@ -35,7 +36,7 @@ F64 = torch.float64
 class Pair:
     """One comparison. ``ours``/``theirs`` build an optimizer over a list of float64 tensors (``theirs`` may
     return ``(step_fn)`` for a non-torch implementation); ``differs`` is ``None`` (they agree) or
-    ``(step, why)``."""
+    ``(step, why)``; ``ours_start``, when given, returns the float64 tensors ours starts from."""
 
     ident: str
     ours_name: str
@@ -46,6 +47,7 @@ class Pair:
     ours: Callable
     theirs: Callable
     differs: tuple[int, str] | None = None
+    ours_start: Callable | None = None  # replaces ``_start`` for ours only (``theirs`` always starts from it)
 
 
 def _grads(t: int) -> list[torch.Tensor]:
@@ -118,6 +120,55 @@ def _schedulefree(params):
     opt.train()
     return opt
 
+
+def _heavyball_stepper(make):
+    """``_torch_stepper`` for heavyball: its kernels run eagerly (``heavyball.utils.compile_mode = None``, its own
+    switch; ``compile_step=False`` is passed by the caller) and torch's default dtype is float64 while it builds
+    and steps. heavyball 3.2.1 forms its learning rate from an int64 step tensor (``ChainOpt._step_inner`` in
+    ``heavyball/chainable.py``: ``lr = base_lr * step / step.clamp(min=warmup_steps + 1)``), which takes torch's
+    default dtype: under float32 the learning rate carries a relative error up to about 1e-7 from the first step.
+    Both settings are restored after each call."""
+    hb_utils = importlib.import_module("heavyball.utils")
+
+    def eager_float64(fn, *args):
+        saved_mode, saved_dtype = hb_utils.compile_mode, torch.get_default_dtype()
+        hb_utils.compile_mode = None
+        torch.set_default_dtype(F64)
+        try:
+            return fn(*args)
+        finally:
+            hb_utils.compile_mode = saved_mode
+            torch.set_default_dtype(saved_dtype)
+
+    inner, weights = eager_float64(_torch_stepper, make)
+    return lambda grads: eager_float64(inner, grads), weights
+
+
+def _hb(name: str, **kwargs):
+    """``heavyball.<name>(params, **kwargs)``, eager, one tensor at a time, float64 state, no caution or MARS
+    (their defaults, passed explicitly); heavyball is imported only when the pair runs."""
+    def make(ps):
+        cls = getattr(importlib.import_module("heavyball"), name)
+        return cls(ps, compile_step=False, multi_tensor=False, storage_dtype="float64", caution=False, mars=False,
+                   **kwargs)
+
+    return lambda: _heavyball_stepper(make)
+
+
+def _hb_scion_start() -> list[torch.Tensor]:
+    """``_start()`` after heavyball's Scion initialisation (``scion_auto_init_param_`` in heavyball/utils.py,
+    ``scale=1``, seed = the parameter's index in its group), which its first step writes over the weights."""
+    hb_utils = importlib.import_module("heavyball.utils")
+    params = _start()
+    for i, p in enumerate(params):
+        hb_utils.scion_auto_init_param_(p, 1.0, seed=i)
+    return params
+
+
+HB = "heavyball"
+#: what every heavyball row passes besides its own settings
+HB_COMMON = ("theirs `compile_step=False, multi_tensor=False, storage_dtype='float64', caution=False, mars=False`, "
+             "run with `heavyball.utils.compile_mode = None` and torch's default dtype float64")
 
 PO = "pytorch-optimizer"
 PAIRS = [
@@ -205,14 +256,81 @@ PAIRS = [
          "`learning_rate=1e-3, b1=0.9, b2=0.99, weight_decay=0.1` (decoupled, multiplied by the learning rate)",
          lambda ps: Lion(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1),
          lambda: _optax_stepper(lambda optax: optax.lion(1e-3, b1=0.9, b2=0.99, weight_decay=0.1))),
+    Pair("sgd-heavyball", "SGD", HB, "heavyball", "heavyball.SGD",
+         "ours `lr=a, momentum=mu, nesterov=False`; theirs `lr=a*(1-mu), beta=mu` (heavy-ball sum `m = mu m + g`, "
+         "no Nesterov option); no weight decay (theirs is decoupled, `p (1 - lr wd)`, ours coupled); " + HB_COMMON,
+         lambda ps: SGD(ps, lr=0.1, momentum=0.9),
+         _hb("SGD", lr=0.1 * (1 - 0.9), beta=0.9)),
+    Pair("adamw-heavyball", "AdamW", HB, "heavyball", "heavyball.AdamW",
+         "`lr=1e-2, betas=(0.9, 0.999), eps=1e-8`, decoupled `weight_decay=0.1` (multiplied by lr in both); "
+         + HB_COMMON,
+         lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+         _hb("AdamW", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+         differs=(1, "eps placement: heavyball divides by `max(sqrt(v_hat), eps)` (`eps_sqrt` in "
+                     "heavyball/utils.py, called by `_compilable_exp_avg_sq_`), ours by `sqrt(v_hat) + eps`")),
+    Pair("adamw-heavyball-eps", "AdamW", HB, "heavyball", "heavyball.AdamW, eps below float64 resolution",
+         "as the row above with `eps=1e-30` in both, where `sqrt(v_hat) + eps` and `max(sqrt(v_hat), eps)` "
+         "round to the same number; their bias correction (an EMA with `beta_t = 1 - (1-beta)/(1-beta^t)`) "
+         "equals ours to rounding",
+         lambda ps: AdamW(ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-30, weight_decay=0.1),
+         _hb("AdamW", lr=1e-2, betas=(0.9, 0.999), eps=1e-30, weight_decay=0.1)),
+    Pair("muon-heavyball", "Muon", HB, "heavyball", "heavyball.Muon",
+         "`lr=0.02, weight_decay=0.1`, ours `momentum=0.95, nesterov=True, coefficients='quintic', "
+         "ns_dtype=float64` (their five fixed Newton-Schulz triples, `zeropower_via_newtonschulz5`), "
+         "theirs `betas=(0.95, 0.99), heavyball_momentum=True, nesterov=True` (a sum buffer: their update is "
+         "`1/(1-mu)` times ours, which the Frobenius normalisation removes; their default `nesterov_ema` "
+         "orthogonalises `g + EMA(g)`, not proportional to ours); both scale by `max(1, rows/cols)^0.5`; "
+         + HB_COMMON,
+         lambda ps: Muon(ps, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, coefficients="quintic",
+                         ns_dtype=F64),
+         _hb("Muon", lr=0.02, betas=(0.95, 0.99), weight_decay=0.1, heavyball_momentum=True, nesterov=True)),
+    Pair("sf-adamw-heavyball", "ScheduleFreeAdamW", HB, "heavyball", "heavyball.SFAdamW",
+         "`lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, r=0, weight_lr_power=2`, ours "
+         "`warmup_steps=6`, theirs `warmup_steps=5` (their ramp is `lr t / max(t, warmup_steps + 1)`, ours "
+         "`lr min(1, t / warmup_steps)`); eps below float64 resolution as in the AdamW row (theirs is also "
+         "`max(sqrt(v_hat), eps)`); " + HB_COMMON,
+         lambda ps: ScheduleFreeAdamW(ps, lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=6),
+         _hb("SFAdamW", lr=0.01, betas=(0.9, 0.99), eps=1e-30, weight_decay=0.01, warmup_steps=5)),
+    Pair("scion-heavyball", "Scion", HB, "heavyball", "heavyball.Scion",
+         "`lr=0.01, weight_decay=0.1` (decoupled, multiplied by lr), ours `momentum=0.9, nesterov=False, "
+         "norm='spectral', radius=1, scale_mode='unit_rms_norm', coefficients='quintic', ns_dtype=float64`, theirs "
+         "`betas=(0.9, 0.9), scale=1` (a bias-corrected average, the same direction after orthogonalising); "
+         + HB_COMMON,
+         lambda ps: Scion(ps, lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.1, norm="spectral",
+                          coefficients="quintic", ns_dtype=F64),
+         _hb("Scion", lr=0.01, betas=(0.9, 0.9), weight_decay=0.1),
+         differs=(1, "heavyball's first step overwrites each matrix with a seeded orthogonal matrix times "
+                     "`scale * sqrt(fan_out / fan_in)` (`scion_auto_init_param_`, called by `scion_auto_norm` in "
+                     "heavyball/chainable.py) before stepping; ours keeps the weights it is given")),
+    Pair("scion-heavyball-init", "Scion", HB, "heavyball", "heavyball.Scion, ours started from its initialisation",
+         "as the row above, ours started from the weights heavyball's first step writes (`scion_auto_init_param_` "
+         "applied to the common start)",
+         lambda ps: Scion(ps, lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.1, norm="spectral",
+                          coefficients="quintic", ns_dtype=F64),
+         _hb("Scion", lr=0.01, betas=(0.9, 0.9), weight_decay=0.1),
+         ours_start=_hb_scion_start),
+    Pair("soap-heavyball", "SOAP", HB, "heavyball", "heavyball.SOAP",
+         "`lr=3e-3, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1, weight_decay=0.01`; "
+         + HB_COMMON,
+         lambda ps: SOAP(ps, lr=3e-3, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1,
+                         weight_decay=0.01),
+         _hb("SOAP", lr=3e-3, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, precondition_frequency=1,
+             weight_decay=0.01),
+         differs=(1, "heavyball's first step only builds the preconditioner and leaves the weights "
+                     "(`scale_by_soap` sits in a `GeneralGuard` with `skip_first=True`, heavyball/chainable.py); "
+                     "ours takes a step in the first gradient's eigenbasis. After it, heavyball refreshes the basis "
+                     "by a power-iteration step and QR (`get_orthogonal_matrix_QR`), ours by an exact `eigh`, and "
+                     "heavyball keeps the first moment in the rotated basis, ours in the original one; settings "
+                     "that would make the two agree were not worked out")),
 ]
 
 #: implementations considered and not compared, with the reason (rendered under the table)
 ABSENT = [
-    ("emerging-optimizers (NVIDIA-NeMo/Emerging-Optimizers)", "needs Python >= 3.12; this project's environment "
+    ("emerging-optimizers (NVIDIA-NeMo/Emerging-Optimizers)", "needs Python >= 3.12; the book's test environment "
      "runs Python 3.11, so pip finds no installable version"),
-    ("heavyball 3.2.1", "installs (no dependency beyond torch, numpy, opt-einsum) but no pair is written yet: its "
-     "optimizers are compiled chains of transforms whose float64 settings were not worked out"),
+    ("heavyball's other optimizers (heavyball 3.2.1)", "not paired: it has no plain Shampoo (its `KLShampoo` "
+     "accumulates KL-corrected Kronecker factors and applies `d_i^{-1/2}` from its own eigenbasis, arXiv:2509.03378; "
+     "PSGD is another preconditioner) and no Lion (`SignLaProp` is another method)"),
 ]
 
 
@@ -225,7 +343,7 @@ def _version(package: str) -> str:
 
 def _compare(pair: Pair) -> tuple[float, int | None]:
     """Run both for ``STEPS`` steps; return the largest difference and the first step exceeding ``TOL``."""
-    params = [p.clone().requires_grad_() for p in _start()]
+    params = [p.clone().requires_grad_() for p in (pair.ours_start or _start)()]
     ours = pair.ours(params)
     step, weights = pair.theirs()
     worst, first = 0.0, None
