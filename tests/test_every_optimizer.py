@@ -1,4 +1,4 @@
-"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all eight classes.
+"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all thirteen classes.
 
 A ``step()`` that raises leaves parameters, state and step counts bitwise as they were; a tensor ``lr``
 gives bitwise the float-``lr`` result; a zero-element parameter is skipped; an old state dict without a
@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from optbook.optim import SGD, SOAP, Adafactor, Adam, AdamW, Lion, Muon, Shampoo
+from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Dion, Lion, Muon, NorMuon,
+                           ScheduleFreeAdamW, Scion, Shampoo)
 
 # one configuration per class that exercises momentum, decay and every state tensor
 FACTORIES = {
@@ -22,6 +23,12 @@ FACTORIES = {
     "Shampoo": lambda ps, **kw: Shampoo(ps, **{"lr": 0.01, "momentum": 0.5, "weight_decay": 0.1, **kw}),
     "SOAP": lambda ps, **kw: SOAP(ps, **{"lr": 0.01, "weight_decay": 0.1, "precondition_frequency": 2, **kw}),
     "Muon": lambda ps, **kw: Muon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "NorMuon": lambda ps, **kw: NorMuon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "AdaMuon": lambda ps, **kw: AdaMuon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "Dion": lambda ps, **kw: Dion(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "Scion": lambda ps, **kw: Scion(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "ScheduleFreeAdamW": lambda ps, **kw: ScheduleFreeAdamW(ps, **{"lr": 0.01, "weight_decay": 0.1,
+                                                                   "warmup_steps": 2, **kw}),
 }
 FOREACH = {"SGD", "Adam", "AdamW"}  # the classes with a foreach path
 CASES = [(name, fe) for name in FACTORIES for fe in ((False, True) if name in FOREACH else (None,))]
@@ -124,6 +131,11 @@ FLOAT_OPTIONS = {
     "Shampoo": dict(beta2=0.9, eps=1e-6, momentum=0.5, weight_decay=0.1),
     "SOAP": dict(betas=(0.8, 0.99), shampoo_beta=0.9, eps=1e-6, weight_decay=0.1),
     "Muon": dict(momentum=0.9, weight_decay=0.1, extra_scale_factor=0.2, eps=1e-6),
+    "NorMuon": dict(momentum=0.9, beta2=0.9, weight_decay=0.1, eps=1e-6, extra_scale_factor=0.5),
+    "AdaMuon": dict(momentum=0.9, beta2=0.99, weight_decay=0.1, eps=1e-6, extra_scale_factor=0.3),
+    "Dion": dict(momentum=0.9, weight_decay=0.1, eps=1e-6),
+    "Scion": dict(momentum=0.8, weight_decay=0.1, radius=2.0),
+    "ScheduleFreeAdamW": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, r=0.5, weight_lr_power=1.5),
 }
 
 
@@ -193,6 +205,11 @@ BAD_EDITS = {
              ("coefficients", "nope", "coefficients"), ("scale_mode", "big", "scale_mode"), ("eps", 0.0, "eps"),
              ("momentum", -0.1, "momentum"), ("nesterov", 1, "nesterov"), ("gram", "triangular", "gram"),
              ("gram", None, "gram")],
+    "NorMuon": [("beta2", 1.0, "beta2"), ("momentum", 1.0, "momentum"), ("eps", 0.0, "eps")],
+    "AdaMuon": [("beta2", -0.1, "beta2"), ("eps", 0.0, "eps"), ("ns_steps", 0, "steps")],
+    "Dion": [("rank_fraction", 0.0, "rank_fraction"), ("q_update", "qr", "q_update"), ("momentum", 1.0, "momentum")],
+    "Scion": [("norm", "nuclear", "norm"), ("radius", 0.0, "radius"), ("momentum", 1.5, "momentum")],
+    "ScheduleFreeAdamW": [("betas", (1.0, 0.9), "betas"), ("warmup_steps", -1, "warmup_steps"), ("eps", 0.0, "eps")],
 }
 EDITS = [(name, *edit) for name in FACTORIES for edit in COMMON_BAD + BAD_EDITS[name]]
 
@@ -420,7 +437,7 @@ def _bad_dicts(name, saved):
              (two_groups, ValueError, "2 param_groups"), (one_param, ValueError, "1 parameters"),
              (short, ValueError, rf"state\[1\]\['{key}'\] \(param_groups\[0\]\['params'\]\[1\], shape \(3, 5\)\) has shape"), (wrong_dtype, ValueError, "float32"),
              (bad_group, ValueError, "lr"), ("state", TypeError, "dict")]
-    if name not in ("Muon", "SGD", "Lion"):   # their one state tensor: without it the state is empty (fresh)
+    if name not in ("Muon", "SGD", "Lion", "Scion"):   # their one state tensor: without it the state is empty
         cases.append((missing, ValueError, f"no '{key}'"))
     return cases
 
