@@ -207,9 +207,11 @@ BAD_EDITS = {
              ("gram", None, "gram")],
     "NorMuon": [("beta2", 1.0, "beta2"), ("momentum", 1.0, "momentum"), ("eps", 0.0, "eps")],
     "AdaMuon": [("beta2", -0.1, "beta2"), ("eps", 0.0, "eps"), ("ns_steps", 0, "steps")],
-    "Dion": [("rank_fraction", 0.0, "rank_fraction"), ("q_update", "qr", "q_update"), ("momentum", 1.0, "momentum")],
+    "Dion": [("rank_fraction", 0.0, "rank_fraction"), ("q_update", "qr", "q_update"),
+             ("momentum", 1.0, "momentum")],
     "Scion": [("norm", "nuclear", "norm"), ("radius", 0.0, "radius"), ("momentum", 1.5, "momentum")],
-    "ScheduleFreeAdamW": [("betas", (1.0, 0.9), "betas"), ("warmup_steps", -1, "warmup_steps"), ("eps", 0.0, "eps")],
+    "ScheduleFreeAdamW": [("betas", (1.0, 0.9), "betas"), ("warmup_steps", -1, "warmup_steps"),
+                          ("eps", 0.0, "eps")],
 }
 EDITS = [(name, *edit) for name in FACTORIES for edit in COMMON_BAD + BAD_EDITS[name]]
 
