@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from optbook.contract import NonFiniteGradientError
+from optbook.distributed.fsdp2_workers import full_tensor as full
 from optbook.distributed.fsdp2_workers import set_sharded_grads, shard_model as shard
 from optbook.optim import SGD, Adafactor, Adam, AdamW, Lion, Muon, ScheduleFreeAdamW
 
@@ -38,10 +39,6 @@ def make_model() -> nn.Module:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     return torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(16, 2, generator=gen, dtype=torch.float64)
-
-
-def full(t) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def same_state(sharded_opt, ref_opt, sharded: nn.Module, reference: nn.Module) -> bool:

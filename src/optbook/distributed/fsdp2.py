@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..clipping import clip_coefficient
+from ..clipping import clip_coefficient, grad_sumsq
 from ..contract import closure_loss
 from ..optim import Muon
 from ..optim._functional import momentum_directions
@@ -173,11 +173,8 @@ class FSDP2Muon(Muon):
         self._validate()   # hyperparameters, gradients; the non-finite verdict agreed over the mesh
         coefficient = 1.0
         if self.max_grad_norm is not None:
-            grads = local([p.grad for p in self._params if p.grad is not None])
-            sumsq = torch.zeros((), dtype=torch.float64)
-            for g in grads:
-                sumsq += g.double().pow(2).sum()
-            dist.all_reduce(sumsq, group=self.process_group)
+            sumsq = grad_sumsq(local([p.grad for p in self._params if p.grad is not None]))
+            dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
             self.last_grad_norm = float(sumsq.sqrt())
             coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
         index = 0

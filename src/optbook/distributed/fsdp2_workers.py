@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["chapter_model", "fsdp2_chapter", "set_sharded_grads", "shard_model"]
+__all__ = ["chapter_model", "fsdp2_chapter", "full_tensor", "set_sharded_grads", "shard_model"]
 
 
 def shard_model(model: nn.Module, layers=None) -> nn.Module:
@@ -37,7 +37,8 @@ def set_sharded_grads(sharded: nn.Module, reference: nn.Module) -> None:
         p.grad = distribute_tensor(g, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else g
 
 
-def _full(t) -> torch.Tensor:
+def full_tensor(t) -> torch.Tensor:
+    """The whole tensor of a ``DTensor`` (a collective: every rank of its mesh calls it); a plain tensor as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -98,7 +99,7 @@ def fsdp2_chapter(rank: int, world_size: int, *, steps: int = 3, seed: int = 0) 
                 opts[0].step()
             for o in opts[1:]:
                 o.step()
-            equal &= all(torch.equal(_full(p.detach()), r.detach())
+            equal &= all(torch.equal(full_tensor(p.detach()), r.detach())
                          for p, r in zip(sharded.parameters(), reference.parameters()))
         return equal, opts[0], sharded, counter
 

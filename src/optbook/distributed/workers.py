@@ -350,7 +350,7 @@ def zero1_reference(steps: int = 6, seed: int = 0) -> list[torch.Tensor]:
 
 
 def qk_clip_model(seed: int = 0) -> torch.nn.Module:
-    """Chapters 11 and 13's QK-clip model: a one-layer, two-head bfloat16 :class:`~optbook.models.TinyTransformer`
+    """Chapter 13's QK-clip model: a one-layer, two-head bfloat16 :class:`~optbook.models.TinyTransformer`
     (vocabulary 16, width 16, sequences of 8), drawn from ``seed``, its query and key weights multiplied by 12 so
     that its max logits are a few units (a model whose logits have grown)."""
     from ..models import TinyTransformer
@@ -364,7 +364,7 @@ def qk_clip_model(seed: int = 0) -> torch.nn.Module:
 
 
 def qk_clip_batch(seed: int = 0) -> torch.Tensor:
-    """Chapters 11 and 13's token batch for :func:`qk_clip_model`: ``(8, 8)`` int64 tokens from ``seed``."""
+    """Chapter 13's token batch for :func:`qk_clip_model`: ``(8, 8)`` int64 tokens from ``seed``."""
     gen = torch.Generator().manual_seed(seed + 1)
     return torch.randint(0, 16, (8, 8), generator=gen)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["any_flag_across_meshes", "is_sharded_dtensor", "local", "refuse_sharded"]
+__all__ = ["any_flag_across_meshes", "is_dtensor", "is_sharded_dtensor", "local", "meshes", "refuse_sharded"]
 
 
 def _dtensor_class():
@@ -58,8 +58,8 @@ def any_flag_across_meshes(flags: torch.Tensor, device_meshes: list) -> torch.Te
     import torch.distributed as dist
 
     for mesh in device_meshes:
+        flags = flags.to(mesh.device_type)   # gloo reduces CPU tensors, NCCL CUDA ones
         for dim in range(mesh.ndim):
-            flags = flags.to(mesh.device_type if mesh.device_type != "cpu" else "cpu")
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return flags
 

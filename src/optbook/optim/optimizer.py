@@ -159,8 +159,8 @@ def _local_all_finite(tensors: list[torch.Tensor]) -> bool:
             by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():
         if device.type == "cpu":
-            wide = [t for t in ts if t.dtype != torch.float16]  # a float16 norm overflows at 65504
-            if len(wide) == len(ts) and bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, 2))).all()):
+            no_float16 = all(t.dtype != torch.float16 for t in ts)   # a float16 norm overflows at 65504
+            if no_float16 and bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, 2))).all()):
                 continue
             extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in ts])
         else:
