@@ -312,3 +312,32 @@ def dcp_run(rank: int, world_size: int, *, ckpt_dir: str, phase: str, split: int
     momentum = all(torch.equal(full(opts[0].state[p]["momentum_buffer"]), ref_opts[0].state[r]["momentum_buffer"])
                    for p, r in zip(opts[0].param_groups[0]["params"], ref_opts[0].param_groups[0]["params"]))
     return {"equal": equal, "momentum": momentum, "steps": last}
+
+
+def clip_on_shards(rank: int, world_size: int) -> dict:
+    """``optbook.clipping.clip_grad_norm_`` on FSDP2 ``DTensor`` gradients, against the single-process clip.
+
+    Returns ``{"norm", "ref_norm", "grads_close", "refused_without_group", "untouched_after_refusal"}``.
+    """
+    from optbook.clipping import clip_grad_norm_
+
+    reference = make_model()
+    sharded = shard(copy.deepcopy(reference))
+    x, y = batch(0)
+    (reference(x) - y).pow(2).mean().backward()
+    set_sharded_grads(sharded, reference)
+    before = [full(p.grad).clone() for p in sharded.parameters()]
+    refused = False
+    if world_size > 1:
+        try:
+            clip_grad_norm_(list(sharded.parameters()), 0.05)
+        except ValueError as e:
+            refused = "Invalid group" in str(e)
+    untouched = all(torch.equal(full(p.grad), b) for p, b in zip(sharded.parameters(), before))
+    group = next(iter(sharded.parameters())).device_mesh.get_group()
+    norm = clip_grad_norm_(list(sharded.parameters()), 0.05, group=group)
+    ref_norm = clip_grad_norm_(list(reference.parameters()), 0.05)
+    close = all(torch.allclose(full(p.grad), r.grad, rtol=1e-12, atol=0)
+                for p, r in zip(sharded.parameters(), reference.parameters()))
+    return {"norm": float(norm), "ref_norm": float(ref_norm), "grads_close": close,
+            "refused_without_group": refused, "untouched_after_refusal": untouched}

@@ -157,6 +157,36 @@ def _grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]
     return pairs
 
 
+def _local_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], group) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pairs`` with every ``DTensor`` gradient (FSDP2's ``fully_shard``) replaced by its local shard.
+
+    A shard holds disjoint elements, so the squares of the shards summed over the mesh's group are the
+    squares of the whole gradient; that needs ``group`` when the mesh has more than one rank, and every
+    placement a ``Shard`` (a replicated placement would be counted once per rank).
+
+    Raises:
+        TypeError: a ``DTensor`` gradient with a placement that is not a ``Shard``.
+        ValueError: a ``DTensor`` gradient on a mesh of several ranks and ``group`` is ``None``.
+    """
+    from .optim._sharded import is_dtensor
+
+    out = []
+    for p, g in pairs:
+        if is_dtensor(g):
+            if not all(pl.is_shard() for pl in g.placements):
+                raise TypeError(f"Invalid grad of parameter of shape {tuple(p.shape)}: a DTensor placed as "
+                                f"{tuple(g.placements)}; only sharded DTensors (Shard placements, as fully_shard "
+                                "makes them) are supported: a replicated placement would be counted on every rank")
+            if g.device_mesh.size() > 1 and group is None:
+                raise ValueError(f"Invalid group: the gradient of the parameter of shape {tuple(p.shape)} is a "
+                                 f"DTensor shard on a mesh of {g.device_mesh.size()} ranks; pass "
+                                 "group=mesh.get_group() so that the shards' squares are summed over the mesh "
+                                 "(group=None would return this rank's shards' norm)")
+            g = g.to_local()
+        out.append((p, g))
+    return out
+
+
 def _group_rank(group) -> int:
     import torch.distributed as dist
 
@@ -209,6 +239,9 @@ def get_grad_norm(params, group=None) -> torch.Tensor:
     Raises:
         TypeError: an element of ``params`` is not a tensor, or a gradient is sparse, complex or integer.
         RuntimeError: ``group`` is given but ``torch.distributed`` is not initialised.
+        ValueError: ``DTensor`` gradients (FSDP2's ``fully_shard``) on a mesh of several ranks without
+            ``group``; a ``DTensor`` gradient that is not sharded raises ``TypeError``. Sharded ``DTensor``
+            gradients are read through their local shards, summed over ``group`` (pass the mesh's group).
 
     Precision: each gradient is summed in float64 (``torch.linalg.vector_norm(g, dtype=float64)``), so no
     float16/bfloat16/float32 gradient can overflow. When the float64 sum of squares overflows although
@@ -220,7 +253,7 @@ def get_grad_norm(params, group=None) -> torch.Tensor:
     """
     import torch.distributed as dist
 
-    pairs = _grads(_unique_params(params))
+    pairs = _local_grads(_grads(_unique_params(params)), group)
     device = _reduce_device([g for _, g in pairs], group)
     if group is not None and _group_rank(group) != 0:
         pairs = [(p, g) for p, g in pairs if not getattr(p, REPLICATED, False)]
@@ -308,5 +341,5 @@ def clip_grad_norm_(params, max_norm, group=None, error_if_nonfinite=False) -> t
                                "no gradient was changed. Skip this step, or pass error_if_nonfinite=False to "
                                "get the norm back instead")
         return norm
-    scale_grads_([g for _, g in _grads(params)], clip_coefficient(norm.item(), max_norm))
+    scale_grads_([g for _, g in _local_grads(_grads(params), group)], clip_coefficient(norm.item(), max_norm))
     return norm

@@ -1,10 +1,20 @@
-"""ZeRO-1 training demo: ``torchrun --nproc_per_node=N -m optbook.distributed.demo``.
+"""Training demo: ``torchrun --nproc_per_node=N -m optbook.distributed.demo [--fsdp2]``.
 
 Trains a small decoder-only transformer (:class:`optbook.models.TinyTransformer`) with
 :class:`~optbook.distributed.DistributedOptimizer` around AdamW on a synthetic next-token task (each
 sequence counts up by a random stride modulo the vocabulary, so the loss falls quickly). Every rank draws
 its own micro-batch; rank 0 prints the loss averaged over the ranks at every step; at the end every rank
 compares its parameters with rank 0's, bit for bit, and the script exits with status 1 if any differ.
+
+With ``--fsdp2`` the same model is sharded by PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard`` on every
+transformer block, then on the whole model) and trained with :class:`~optbook.distributed.FSDP2Muon` for the
+hidden matrices and :class:`optbook.optim.AdamW` for the rest (embeddings, norms, output head: the routing of
+:func:`optbook.optim.muon_param_groups`), the global gradient norm clipped over both with
+:func:`optbook.clipping.clip_grad_norm_` on the shards (``group`` = the mesh's group). ``--bf16`` then means
+FSDP2's ``MixedPrecisionPolicy`` (bfloat16 forward and backward, float32 sharded parameters and gradient
+reduction; no loss scaling). Each rank holds only its rows of every parameter, so there is no replica to
+compare: the run fails (status 1) when a loss is not finite; the equivalence with one process is what
+``tests/test_fsdp2.py`` checks, bitwise in float64.
 
 Three ways to start it (the same code runs in each):
 
@@ -18,7 +28,7 @@ Three ways to start it (the same code runs in each):
 * ``python -m optbook.distributed.demo``: one process (a process group of size 1).
 
 Options: ``--steps``, ``--batch`` (sequences per rank and step), ``--seq``, ``--d-model``, ``--layers``,
-``--lr``, ``--clip`` (global gradient-norm clipping, 0 to disable), ``--bf16`` (bfloat16 parameters,
+``--lr``, ``--weight-decay``, ``--fsdp2``, ``--muon-lr`` (with ``--fsdp2``), ``--clip`` (global gradient-norm clipping, 0 to disable), ``--bf16`` (bfloat16 parameters,
 float32 masters, dynamic loss scaling), ``--backend`` (``auto``: NCCL when CUDA is available under
 torchrun, else gloo), ``--seed``, ``--nproc``, ``--threads`` (CPU threads per rank).
 """
@@ -32,13 +42,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "parse_args", "run", "spawned", "train"]
+__all__ = ["main", "parse_args", "run", "spawned", "train", "train_fsdp2"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m optbook.distributed.demo",
-                                description="ZeRO-1 (DistributedOptimizer + AdamW) on a small transformer; "
-                                            "start with torchrun --nproc_per_node=N, or use --nproc N")
+                                description="ZeRO-1 (DistributedOptimizer + AdamW), or with --fsdp2 FSDP2 + Muon + "
+                                            "AdamW, on a small transformer; start with torchrun "
+                                            "--nproc_per_node=N, or use --nproc N")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
@@ -47,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard with FSDP2 (fully_shard) and train with FSDP2Muon + AdamW instead of ZeRO-1 AdamW")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate with --fsdp2 (default 0.02)")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 disables (default 1)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 parameters, float32 masters, loss scaling")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -59,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch", "seq", "vocab", "d_model", "layers", "nproc", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.clip < 0 or args.lr < 0:
-        p.error("--clip and --lr must be >= 0")
+    if args.clip < 0 or args.lr < 0 or args.muon_lr < 0 or args.weight_decay < 0:
+        p.error("--clip, --lr, --muon-lr and --weight-decay must be >= 0")
     return args
 
 
@@ -135,9 +149,82 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device=None) -> 
             "state_bytes": state_bytes, "world_size": world_size, "backend": dist.get_backend()}
 
 
+def train_fsdp2(rank: int, world_size: int, args: argparse.Namespace, device=None) -> dict:
+    """``--fsdp2``: FSDP2 (``fully_shard``) with FSDP2Muon + AdamW on every rank of the default group.
+
+    Returns:
+        ``{"losses", "identical": True when every loss was finite (no replica to compare), "numel",
+        "skipped": 0, "state_bytes": this rank's optimizer-state bytes (its shards), "world_size", "backend",
+        "muon_matrices": matrices Muon updates, "ns_calls": the ones this rank orthogonalised}``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..clipping import clip_grad_norm_
+    from ..models import TinyTransformer
+    from ..optim import AdamW, muon_param_groups
+    from .fsdp2 import FSDP2Muon
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cpu") if device is None else device
+    torch.manual_seed(args.seed)  # the same model on every rank before sharding: each keeps its rows
+    model = TinyTransformer(args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4,
+                            max_seq_len=args.seq).to(device)
+    numel = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
+              else MixedPrecisionPolicy())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    routing = muon_param_groups(model, weight_decay=args.weight_decay, muon_options={"lr": args.muon_lr},
+                                adamw_options={"lr": args.lr})
+    muon = FSDP2Muon(routing.muon, momentum=0.95, nesterov=True)
+    adamw = AdamW(routing.adamw, betas=(0.9, 0.95))
+    params = [p for p in model.parameters()]
+    group = mesh.get_group()
+    n_muon = sum(len(g["params"]) for g in routing.muon)
+    if rank == 0:
+        print(f"FSDP2 demo: {world_size} rank(s), backend {dist.get_backend()}, device {device.type}, "
+              f"{numel} parameters (float32 shards{', bfloat16 compute' if args.bf16 else ''}), "
+              f"Muon lr {args.muon_lr} on {n_muon} matrices, AdamW lr {args.lr} on the rest, "
+              f"clip {args.clip or 'off'}, {args.batch} x {args.seq} tokens per rank and step", flush=True)
+    losses, finite = [], True
+    for step in range(args.steps):
+        tokens = _batch(args, step, rank, device)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()   # FSDP2 reduce-scatters the mean gradient: each rank holds its rows of it
+        norm = clip_grad_norm_(params, args.clip, group=group) if args.clip else None
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+        mean = loss.detach().float().reshape(1)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        finite &= bool(torch.isfinite(mean).all())
+        if rank == 0:
+            extra = "" if norm is None else f"  grad norm {float(norm):.4f}"
+            print(f"step {step + 1:4d}  loss {losses[-1]:.4f}{extra}", flush=True)
+    state_bytes = sum(t.to_local().numel() * t.to_local().element_size() if hasattr(t, "to_local")
+                      else t.numel() * t.element_size()
+                      for opt in (muon, adamw) for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor))
+    if rank == 0:
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; every loss finite: {finite}; Newton-Schulz on rank 0: "
+              f"{muon.ns_calls} matrix steps ({muon.owners.count(0)} of {n_muon} matrices owned); optimizer state "
+              f"on rank 0: {state_bytes} bytes ({state_bytes / numel:.2f} per parameter of the whole model)",
+              flush=True)
+    return {"losses": losses, "identical": finite, "numel": numel, "skipped": 0, "state_bytes": state_bytes,
+            "world_size": world_size, "backend": dist.get_backend(), "muon_matrices": n_muon,
+            "ns_calls": muon.ns_calls}
+
+
 def spawned(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     """The body of each process started by ``--nproc N`` (via :func:`optbook.distributed.launch`)."""
-    return train(rank, world_size, args)
+    return (train_fsdp2 if args.fsdp2 else train)(rank, world_size, args)
 
 
 def run(argv=None) -> list[dict]:
@@ -158,7 +245,7 @@ def run(argv=None) -> list[dict]:
         device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                   else torch.device("cpu"))
         try:
-            return [train(rank, world_size, args, device)]
+            return [(train_fsdp2 if args.fsdp2 else train)(rank, world_size, args, device)]
         finally:
             dist.destroy_process_group()
     if args.backend == "nccl":
@@ -170,7 +257,7 @@ def run(argv=None) -> list[dict]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=300))
     try:
-        return [train(0, 1, args)]
+        return [(train_fsdp2 if args.fsdp2 else train)(0, 1, args)]
     finally:
         dist.destroy_process_group()
 
