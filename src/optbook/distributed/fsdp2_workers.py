@@ -12,6 +12,8 @@ import copy
 import torch
 from torch import nn
 
+from ..optim._sharded import local
+
 __all__ = ["chapter_model", "fsdp2_chapter", "full_tensor", "set_sharded_grads", "shard_model"]
 
 
@@ -64,7 +66,9 @@ def fsdp2_chapter(rank: int, world_size: int, *, steps: int = 3, seed: int = 0) 
         orthogonalised; ``"muon_bytes"``, ``"muon_predicted"``: bytes received in the Muon steps, counted
         at the dispatcher (:class:`~optbook.distributed.wire.CommCounter`) and by
         :meth:`FSDP2Muon.predicted_received_bytes`; ``"fsdp_bytes"``: what FSDP2's own forward and backward
-        of one step delivered (its all-gathers and reduce-scatters), counted the same way.
+        of one step delivered (its all-gathers and reduce-scatters), counted the same way;
+        ``"state_bytes"``: the bytes of the optimizer-state tensors this rank holds (FSDP2Muon + AdamW, local
+        rows), ``"single_process_state_bytes"``: the same count for the single-process Muon + AdamW.
     """
     from ..optim import AdamW, Muon
     from .fsdp2 import FSDP2Muon
@@ -101,10 +105,15 @@ def fsdp2_chapter(rank: int, world_size: int, *, steps: int = 3, seed: int = 0) 
                 o.step()
             equal &= all(torch.equal(full_tensor(p.detach()), r.detach())
                          for p, r in zip(sharded.parameters(), reference.parameters()))
-        return equal, opts[0], sharded, counter
+        return equal, opts, sharded, counter, ref_opts
 
-    adamw_equal, _, _, _ = run("adamw")
-    muon_equal, muon_opt, sharded, counter = run("muon")
+    def state_bytes(optimizers) -> int:   # counted from the state tensors this rank holds (its rows)
+        return sum(t.numel() * t.element_size() for o in optimizers for s in o.state.values()
+                   for t in local(list(s.values())) if isinstance(t, torch.Tensor))
+
+    adamw_equal, _, _, _, _ = run("adamw")
+    muon_equal, opts, sharded, counter, ref_opts = run("muon")
+    muon_opt = opts[0]
     predicted = {k: steps * v for k, v in muon_opt.predicted_received_bytes().items()}
     fsdp = CommCounter()
     with fsdp:
@@ -112,4 +121,5 @@ def fsdp2_chapter(rank: int, world_size: int, *, steps: int = 3, seed: int = 0) 
     return {"layout": layout, "adamw_equal": adamw_equal, "muon_equal": muon_equal,
             "owners": list(muon_opt.owners), "ns_calls": muon_opt.ns_calls,
             "muon_bytes": {k: int(v) for k, v in counter.received.items()}, "muon_predicted": predicted,
-            "fsdp_bytes": {k: int(v) for k, v in fsdp.received.items()}}
+            "fsdp_bytes": {k: int(v) for k, v in fsdp.received.items()},
+            "state_bytes": state_bytes(opts), "single_process_state_bytes": state_bytes(ref_opts)}
