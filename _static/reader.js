@@ -12,6 +12,9 @@
 3. Code lines longer than the column wrap with a hanging indent (the continuation starts four columns
    right of the line's own indentation) instead of at column 0. Each line of a cell's source becomes a
    block of its own; a block whose highlighting spans several lines (a docstring) is left as it is.
+4. Multi-panel figures (an image at least 1.8 times as wide as tall) keep a readable height in a narrow
+   column: below 600 px of column they are drawn PANEL_HEIGHT px tall, as wide as that makes them, in a
+   box of their own that scrolls sideways (swipe to see the next panel); wider columns show them whole.
 */
 (function () {
   "use strict";
@@ -73,6 +76,32 @@
     });
   }
 
+  var PANEL_HEIGHT = 240, WIDE = 1.8, NARROW = 600;
+
+  function readableFigures() {
+    document.querySelectorAll(".cell_output img").forEach(function (img) {
+      function fit() {
+        var ratio = img.naturalWidth / img.naturalHeight;
+        if (!(ratio >= WIDE)) return;
+        var box = img.parentElement;
+        if (!box.classList.contains("figure-scroll")) {
+          box = document.createElement("div");
+          box.className = "figure-scroll";
+          img.parentElement.insertBefore(box, img);
+          box.appendChild(img);
+          img.classList.add("multi-panel");
+        }
+        var room = box.clientWidth;
+        var want = Math.min(img.naturalWidth, Math.round(PANEL_HEIGHT * ratio));
+        var narrow = room > 0 && room < NARROW && want > room;
+        img.style.width = narrow ? want + "px" : "";
+        img.style.maxWidth = narrow ? "none" : "";
+      }
+      if (img.complete && img.naturalWidth) fit();
+      else img.addEventListener("load", fit);
+    });
+  }
+
   function whenTypeset(callback, tries) {
     if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
       MathJax.startup.promise.then(callback);
@@ -84,11 +113,12 @@
   function start() {
     forwardToggles();
     hangingIndents();
+    readableFigures();
     whenTypeset(fitEquations, 100);
     var pending = null;
     window.addEventListener("resize", function () {
       clearTimeout(pending);
-      pending = setTimeout(fitEquations, 100);
+      pending = setTimeout(function () { fitEquations(); readableFigures(); }, 100);
     });
   }
 

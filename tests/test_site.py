@@ -290,7 +290,7 @@ const clips = (el) => {  // inside a box that scrolls sideways (a wide table's c
   }
   return false;
 };
-const out = {equations: [], wide: [], answers: [], closed: [], bare: [], interactive: []};
+const out = {equations: [], wide: [], answers: [], closed: [], bare: [], interactive: [], small: []};
 document.querySelectorAll('mjx-container[display="true"]').forEach(c => {
   const m = c.querySelector('mjx-math'); if (!m || !visible(c)) return;
   const box = c.getBoundingClientRect().width, w = m.getBoundingClientRect().width;
@@ -327,6 +327,12 @@ document.querySelectorAll('.optbook-interactive').forEach((fig, i) => {
   input.dispatchEvent(new Event('input', {bubbles: true}));
   if (plot.innerHTML === before) out.interactive.push(`figure ${i}: moving the slider changed nothing`);
 });
+document.querySelectorAll('.cell_output img').forEach(img => {  // multi-panel figures stay readable
+  if (!visible(img) || !img.naturalWidth || img.naturalWidth < 1.8 * img.naturalHeight) return;
+  const h = img.getBoundingClientRect().height;
+  if (h < Math.min(200, img.naturalHeight) - 1)
+    out.small.push(`${Math.round(h)} px tall (${img.naturalWidth} x ${img.naturalHeight}): ${img.alt.slice(0, 50)}`);
+});
 out.count = document.querySelectorAll('.optbook-interactive').length;
 done(out);
 """
@@ -359,7 +365,8 @@ def _reader_view(driver, url: str, width: str, name: str) -> dict:
 @pytest.mark.parametrize("page", PAGES)
 def test_what_a_reader_sees(page, width, browser, server):
     """At 1400 and 390 px: equations fit, nothing is wider than the screen, no answer is shown unasked,
-    no bare return value is printed, and every interactive figure answers its slider."""
+    no bare return value is printed, every interactive figure answers its slider, and a multi-panel figure
+    is drawn at least 200 px tall (or at its own height)."""
     seen = _reader_view(browser, urljoin(server, f"{page}.html"), width, page.replace("/", "_"))
     problems = [f"display equation wider than its box, {e}" for e in seen["equations"]]
     problems += [f"wider than the {WIDTHS[width][0]} px window: {w}" for w in seen["wide"]]
@@ -367,6 +374,7 @@ def test_what_a_reader_sees(page, width, browser, server):
     problems += [f"solution {c}" for c in seen["closed"]]
     problems += [f"bare return value printed: {b}" for b in seen["bare"]]
     problems += seen["interactive"]
+    problems += [f"multi-panel figure too small to read: {s}" for s in seen["small"]]
     assert problems == [], f"{page} at {width} width ({len(problems)}):\n" + "\n".join(problems)
 
 
