@@ -7,7 +7,8 @@ from __future__ import annotations
 import matplotlib as mpl
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "flowchart", "qk_clip_layout", "shard_layout", "subplots", "use_book_style"]
+__all__ = ["COLORS", "flowchart", "muon_ownership", "qk_clip_layout", "shard_layout", "subplots", "use_book_style",
+           "zero1_step_timeline"]
 
 #: One colour per optimizer (and per line style family) across all chapters.
 COLORS = {
@@ -189,3 +190,122 @@ def qk_clip_layout(ax, q_factor, k_factor, max_logits, *, title: str = "") -> li
     ax.set_ylim(-0.8, 3.0)
     ax.set_title(title, fontsize=10)
     return drawn
+
+
+def zero1_step_timeline(ax, layout) -> list[tuple[str, list[int]]]:
+    """Draw one ZeRO-1 step in time (chapter 13): one row per rank, four moments left to right, each the
+    rank's flat buffer (all buckets, padding included) with what the rank holds filled in: the full local
+    gradient; after the reduce-scatter, its shard of the summed gradient; after the optimizer step on that
+    shard (its shard of the masters, ``m`` and ``v``); after the all-gather, the full updated parameters.
+    Arrows between the moments name the collective or the local step.
+
+    Args:
+        ax: a matplotlib ``Axes`` (its axis is switched off).
+        layout: a :class:`optbook.distributed.zero1.Layout` (:func:`optbook.distributed.shard_layout`).
+
+    Returns:
+        ``[(moment, [elements rank r holds at that moment for r in ranks])]`` for the four moments, read
+        from ``layout`` (the bucket sizes and each rank's shard), so a cell can assert what the figure shows.
+    """
+    from matplotlib.patches import Rectangle
+
+    d = layout.world_size
+    total = sum(b.numel for b in layout.buckets)
+    shard = sum(b.shard_numel for b in layout.buckets)
+    moments = [("local gradient (full)", "#ffbf80", [total] * d),
+               ("its shard, summed", "#d62728", [shard] * d),
+               ("shard stepped (master, m, v)", "#1f77b4", [shard] * d),
+               ("parameters (full)", "#2ca02c", [total] * d)]
+    arrows = ["reduce-\nscatter", "AdamW on\nthe shard", "all-\ngather"]
+    ax.set_axis_off()
+    width, gap, height = 4.0, 1.5, 0.6
+    for k, (title, color, _) in enumerate(moments):
+        x0 = k * (width + gap)
+        ax.text(x0 + width / 2, d * 1.0 + 0.1, title, ha="center", va="bottom", fontsize=8.5, weight="bold")
+        for r in range(d):
+            y = (d - 1 - r) * 1.0
+            ax.add_patch(Rectangle((x0, y), width, height, facecolor="0.95", edgecolor="0.6", lw=0.6))
+            if k in (0, 3):
+                ax.add_patch(Rectangle((x0, y), width, height, facecolor=color, edgecolor="0.3", lw=0.6))
+            else:
+                for b in layout.buckets:   # this rank's shard of each bucket, where it lies in the buffer
+                    lo = (b.start + r * b.shard_numel) / total * width
+                    ax.add_patch(Rectangle((x0 + lo, y), b.shard_numel / total * width, height, facecolor=color,
+                                           edgecolor="0.3", lw=0.6))
+            if k == 0:
+                ax.text(x0 - 0.15, y + height / 2, f"rank {r}", ha="right", va="center", fontsize=8.5)
+            if k < len(arrows):   # one arrow per rank: every rank takes part in every phase
+                ax.annotate("", xy=(x0 + width + gap - 0.15, y + height / 2), xytext=(x0 + width + 0.15, y + height / 2),
+                            arrowprops=dict(arrowstyle="->", color="0.35", lw=1.0))
+        if k < len(arrows):
+            ax.text(x0 + width + gap / 2, -0.15, arrows[k], ha="center", va="top", fontsize=8)
+    ax.annotate("", xy=(4 * width + 3 * gap, -1.05), xytext=(0, -1.05),
+                arrowprops=dict(arrowstyle="->", color="0.5", lw=0.8))
+    ax.text(2 * width + 1.5 * gap, -1.15, "time (one step)", ha="center", va="top", fontsize=8, color="0.35")
+    ax.set_xlim(-1.3, 4 * width + 3 * gap + 0.2)
+    ax.set_ylim(-1.6, d * 1.0 + 0.6)
+    return [(title, held) for title, _, held in moments]
+
+
+def muon_ownership(axes, shapes, world_size: int, names: list[str] | None = None) -> dict[str, list[int]]:
+    """Draw who runs Newton–Schulz on which matrix under two distributed Muon designs (chapter 14): one row
+    per rank, one column per matrix (width proportional to its Newton–Schulz cost, :func:`optbook.distributed.ns_cost`),
+    a filled cell where that rank orthogonalises that matrix, and each rank's work (sum of the costs) at the
+    row's end.
+
+    * top (``axes[0]``): whole-matrix owners chosen by LPT (:func:`optbook.distributed.lpt_assign`), as in
+      ``LayerWiseMuon`` and ``FSDP2Muon``: each matrix once;
+    * bottom (``axes[1]``): Moonlight's distributed Muon on the ZeRO-1 layout
+      (:func:`optbook.distributed.shard_layout`): every rank whose shard holds part of a matrix gathers it and
+      orthogonalises it, so a matrix cut by a shard boundary is orthogonalised more than once.
+
+    Args:
+        axes: two matplotlib ``Axes`` (their axes are switched off).
+        shapes: the ``(m, n)`` shapes of the matrices, in parameter order.
+        world_size: ranks ``d >= 1``.
+        names: one label per matrix (default ``W0, W1, ...``).
+
+    Returns:
+        ``{"owners": work per rank, "moonlight": work per rank}`` (ints, in :func:`ns_cost` units), what the
+        rows' labels show, so a cell can assert it.
+    """
+    import torch
+    from matplotlib.patches import Rectangle
+
+    from .distributed import lpt_assign, ns_cost, shard_layout
+
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    names = names or [f"W{i}" for i in range(len(shapes))]
+    costs = [ns_cost(s) for s in shapes]
+    owners = lpt_assign(costs, world_size)
+    layout = shard_layout([torch.empty(s) for s in shapes], world_size)
+    touched = [{p.index for p in layout.pieces(r)} for r in range(world_size)]
+    runs = {"owners": [{i for i, o in enumerate(owners) if o == r} for r in range(world_size)],
+            "moonlight": touched}
+    titles = {"owners": "whole-matrix owners (LPT): LayerWiseMuon, FSDP2Muon",
+              "moonlight": "Moonlight: every rank whose shard touches the matrix"}
+    colors = mpl.colormaps["tab10"]
+    scale = 10.0 / sum(costs)
+    work = {}
+    for ax, key in zip(axes, ("owners", "moonlight")):
+        ax.set_axis_off()
+        work[key] = [sum(costs[i] for i in runs[key][r]) for r in range(world_size)]
+        for r in range(world_size):
+            y = world_size - 1 - r
+            x = 0.0
+            for i, c in enumerate(costs):
+                w = c * scale
+                mine = i in runs[key][r]
+                ax.add_patch(Rectangle((x, y), w, 0.75, facecolor=colors(i % 10) if mine else "white",
+                                       edgecolor="0.5", lw=0.6, alpha=0.9 if mine else 1.0))
+                if r == 0:
+                    ax.text(x + w / 2, world_size - 0.1, names[i], ha="center", va="bottom", fontsize=7.5,
+                            rotation=90 if w < 0.6 else 0)
+                x += w
+            ax.text(-0.15, y + 0.37, f"rank {r}", ha="right", va="center", fontsize=8.5)
+            ax.text(10.15, y + 0.37, f"{work[key][r] / sum(costs):.2f}", ha="left", va="center", fontsize=8.5)
+        ax.text(10.15, world_size - 0.1, "work", ha="left", va="bottom", fontsize=8, color="0.35")
+        ax.set_title(titles[key], fontsize=9.5)
+        ax.set_xlim(-1.3, 11.2)
+        ax.set_ylim(-0.2, world_size + 0.9)
+    return work
