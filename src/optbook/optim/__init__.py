@@ -16,7 +16,7 @@ from .chained import ChainedOptimizer
 from .compiled import adam_tensor, compiled_muon_step, compiled_step
 from .dion import Dion, dion
 from .lion import Lion, lion
-from .muon import Muon, muon, muon_scale, split_rows
+from .muon import TURBO_SCHEDULE, Muon, muon, muon_scale, split_rows
 from .normuon import NorMuon, normuon
 from .optimizer import BookOptimizer
 from .param_groups import ParamInfo, classify_parameters, format_param_groups, weight_decay_param_groups
@@ -30,7 +30,7 @@ from .soap import SOAP, soap
 __all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo",
            "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo", "adafactor", "adam", "adam_tensor",
            "classify_parameters", "compiled_muon_step", "compiled_step", "format_param_groups", "lion", "muon",
-           "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows",
+           "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows", "TURBO_SCHEDULE",
            "weight_decay_param_groups",
            # chapter 18, after Muon
            "AdaMuon", "Dion", "NorMuon", "ScheduleFreeAdamW", "Scion", "adamuon", "dion", "normuon",

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..newton_schulz import newton_schulz, ns_schedule
+from ..newton_schulz import PRECONDITIONERS, newton_schulz, ns_schedule
 from ._functional import momentum_directions
 from ._validation import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
-__all__ = ["Muon", "SCALE_MODES", "muon", "muon_scale", "split_rows"]
+__all__ = ["Muon", "SCALE_MODES", "TURBO_SCHEDULE", "muon", "muon_scale", "split_rows"]
 
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 #: The dtypes Newton–Schulz may iterate in.
@@ -42,6 +42,10 @@ GRAMS = ("plain", "symmetric")
 #: Which Newton–Schulz iteration Muon runs (``ns_algorithm``); ``"auto"``: Gram Newton–Schulz for blocks of
 #: aspect ratio ``>= GRAM_ASPECT`` (5 steps: 1.29x fewer FLOPs at 4:1, 1.44x at 8:1), the standard one otherwise.
 NS_ALGORITHMS = ("standard", "gram", "auto")
+
+#: The schedule for ``ns_precondition="aol"``: the last four of the five ``"polar_express"`` triples, the first
+#: dropped because AOL's rescaling does its work (Turbo-Muon, arXiv:2512.04632, sec. 3). Use with ``ns_steps=4``.
+TURBO_SCHEDULE = tuple(tuple(t) for t in ns_schedule("polar_express", 5)[1:])
 GRAM_ASPECT = 4
 
 
@@ -123,14 +127,15 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
          ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-         ns_algorithm: str = "standard") -> None:
+         ns_algorithm: str = "standard", ns_precondition: str | None = None) -> None:
     """Apply one Muon step in place (the pure function behind :class:`Muon`).
 
     Args:
         params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
             parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
-            eps, ns_dtype, head_split, gram, ns_algorithm: as in :class:`Muon`; not re-validated here.
+            eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition: as in :class:`Muon`; not
+            re-validated here.
 
     ``lr`` may also be a 0-d tensor (what :func:`optbook.optim.compiled_muon_step` passes, so that a new
     learning rate is new data for a compiled graph, not a new constant).
@@ -160,7 +165,7 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
         batch = wide[0].contiguous() if len(where) == 1 else torch.stack(wide)
         algorithm = ns_algorithm if ns_algorithm != "auto" else ("gram" if n >= GRAM_ASPECT * m else "standard")
         O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
-                          dtype=ns_dtype, gram=gram, algorithm=algorithm)
+                          dtype=ns_dtype, gram=gram, algorithm=algorithm, precondition=ns_precondition)
         for k, (i, j, tall) in enumerate(where):
             o = O if len(where) == 1 else O[k]
             o = o.mT if tall else o
@@ -209,6 +214,13 @@ class Muon(BookOptimizer):
         ns_algorithm: ``"standard"`` (default), ``"gram"`` (Gram Newton–Schulz with its default restarts,
             :func:`optbook.newton_schulz`'s ``algorithm``: the same polynomials, other roundings) or
             ``"auto"`` (Gram for blocks with aspect ratio ``>= 4``, such as an MLP's 4d x d matrices).
+        ns_precondition: ``None`` (default) or ``"aol"``: AOL's diagonal rescaling before the first
+            Newton–Schulz step (:func:`optbook.newton_schulz`'s ``precondition``; Boissin et al. 2025,
+            *Turbo-Muon*, arXiv:2512.04632), which lets a schedule drop its first step: with
+            ``ns_steps=4`` and the last four ``"polar_express"`` triples (:data:`TURBO_SCHEDULE`) the update is at
+            least as close to the polar factor as torch's 5-step default on random matrices, with 4/5 of
+            the products (``benchmarks/bench_muon.py`` measures both). Different mathematics: the polar
+            factor of ``D X`` (a row-rescaled input), approximated.
 
     Blocks of equal shape (up to a transpose) across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
@@ -231,11 +243,12 @@ class Muon(BookOptimizer):
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
                  ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-                 ns_algorithm: str = "standard"):
+                 ns_algorithm: str = "standard", ns_precondition: str | None = None):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
-                        head_split=head_split, gram=gram, ns_algorithm=ns_algorithm)
+                        head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
+                        ns_precondition=ns_precondition)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -265,6 +278,9 @@ class Muon(BookOptimizer):
             raise ValueError(f"Invalid gram: expected one of {GRAMS}, got {group['gram']!r}")
         if group["ns_algorithm"] not in NS_ALGORITHMS:
             raise ValueError(f"Invalid ns_algorithm: expected one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}")
+        if group["ns_precondition"] not in PRECONDITIONERS:
+            raise ValueError(f"Invalid ns_precondition: expected one of {PRECONDITIONERS}, got "
+                             f"{group['ns_precondition']!r}")
         if group["gram"] == "symmetric" and group["ns_dtype"] == torch.float64:
             raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
                              "torch.float64 (the Triton kernels have no float64 path)")
@@ -283,4 +299,4 @@ class Muon(BookOptimizer):
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
              ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],
-             ns_algorithm=group["ns_algorithm"])
+             ns_algorithm=group["ns_algorithm"], ns_precondition=group["ns_precondition"])
