@@ -87,3 +87,34 @@ def test_compiled_muon_compiles_once_over_an_lr_schedule_and_equals_eager():
         # the lerp of the momentum, fused by Inductor: float32 rounding of values ~1
         torch.testing.assert_close(opt.state[q]["momentum_buffer"], opt_eager.state[p]["momentum_buffer"],
                                    rtol=0, atol=1e-6)
+
+
+@pytest.mark.compile
+def test_compiled_muon_step_runs_the_step_hooks_and_optimizer_step_uses_the_kernel():
+    _, _, params, _, opt = _pair([(8, 8)], ns_dtype=torch.float32)
+    params[0].grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    step = compiled_muon_step(opt)
+    assert opt.compiled_kernel is step.kernel
+    torch._dynamo.reset()
+    counters.clear()
+    step()
+    opt.step()          # the optimizer's own step runs the installed kernel: no second graph
+    graphs = counters["stats"]["unique_graphs"]
+    counters.clear()
+    torch._dynamo.reset()
+    assert calls == ["pre", "post", "pre", "post"] and graphs == 1
+
+
+def test_compiled_muon_step_refuses_a_subclass_with_its_own_step():
+    from optbook.optim import NorMuon
+
+    class MyMuon(Muon):
+        pass
+
+    with pytest.raises(TypeError, match="Invalid optimizer: compiled_muon_step supports optbook.optim.Muon itself"):
+        compiled_muon_step(MyMuon([torch.zeros(2, 2, requires_grad=True)]))
+    with pytest.raises(TypeError, match="Invalid optimizer"):
+        compiled_muon_step(NorMuon([torch.zeros(2, 2, requires_grad=True)]))

@@ -35,7 +35,6 @@ from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
 from .chained import ChainedOptimizer
 from .muon import Muon, muon
-from ..contract import closure_loss
 
 __all__ = ["CompiledMuonStep", "CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_muon_step",
            "compiled_step"]
@@ -248,28 +247,20 @@ class CompiledMuonStep:
     """``step(closure=None)`` of a :class:`~optbook.optim.Muon` whose arithmetic runs through a compiled
     :func:`optbook.optim.muon` (momentum, the batched Newton–Schulz calls, the scaled update).
 
-    Made by :func:`compiled_muon_step`. Attributes: ``optimizer`` (the wrapped Muon, whose ``state`` and
-    ``param_groups`` are used as by its own ``step``) and ``kernel`` (the ``torch.compile``-d ``muon``).
+    Made by :func:`compiled_muon_step`, which installs the compiled kernel on the optimizer
+    (``optimizer.compiled_kernel``): calling this object is calling ``optimizer.step``, so the optimizer's
+    validation, step hooks (``register_step_pre_hook``/``register_step_post_hook``, and torch's global ones)
+    and state handling run as in the eager step, and ``optimizer.step()`` itself runs the compiled kernel
+    too. Attributes: ``optimizer`` (the wrapped Muon) and ``kernel`` (the ``torch.compile``-d ``muon``).
     """
 
     def __init__(self, optimizer, **compile_options):
         self.optimizer = optimizer
         self.kernel = torch.compile(muon, fullgraph=True, **compile_options)
+        optimizer.compiled_kernel = self.kernel
 
-    @torch.no_grad()
     def __call__(self, closure=None):
-        opt = self.optimizer
-        loss = closure_loss(closure)
-        opt._validate()   # every group and gradient checked before anything is written, as opt.step()
-        for group in opt.param_groups:
-            group = opt._read_floats(group)
-            params = [p for p in group["params"] if p.grad is not None and p.numel()]
-            if not params:
-                continue
-            # lr as a 0-d tensor on the parameters' device: a new value is new data, not a new graph
-            lr = torch.tensor(float(group["lr"]), dtype=torch.float32, device=params[0].device)
-            opt._step_group({**group, "params": params, "lr": lr}, update=self.kernel)
-        return loss
+        return self.optimizer.step(closure)
 
 
 def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
@@ -301,12 +292,14 @@ def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
         A :class:`CompiledMuonStep`, callable as ``step(closure=None)``.
 
     Raises:
-        TypeError: ``optimizer`` is not an optbook Muon.
+        TypeError: ``optimizer`` is not an ``optbook.optim.Muon`` (a subclass is refused: its own ``step``
+            would bypass the kernel).
         ValueError: a group uses ``gram="symmetric"``.
     """
-    if not isinstance(optimizer, Muon):
-        raise TypeError(f"Invalid optimizer: compiled_muon_step supports optbook.optim.Muon, "
-                        f"got {type(optimizer).__name__}")
+    if type(optimizer) is not Muon:
+        raise TypeError(f"Invalid optimizer: compiled_muon_step supports optbook.optim.Muon itself, got "
+                        f"{type(optimizer).__name__} (a subclass with a step of its own, such as the distributed "
+                        "Muons, would not run the compiled kernel)")
     if any(g["gram"] != "plain" for g in optimizer.param_groups):
         raise ValueError("Invalid gram: compiled_muon_step needs gram='plain' in every group (the symmetric "
                          "Triton kernels are not traced)")

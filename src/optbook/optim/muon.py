@@ -288,9 +288,17 @@ class Muon(BookOptimizer):
             if isinstance(p, torch.Tensor) and p.ndim == 2:
                 split_rows(p.shape[0], group["head_split"])
 
+    #: ``None`` (the eager :func:`muon`), or the ``torch.compile``-d :func:`muon` that
+    #: :func:`optbook.optim.compiled_muon_step` installs: ``step()`` then runs it, ``lr`` passed as a 0-d tensor.
+    compiled_kernel = None
+
     def _step_group(self, group: dict, update=muon) -> None:
-        """One group's step through ``update`` (:func:`muon`, or the compiled one of ``compiled_muon_step``)."""
+        """One group's step through ``update`` (:func:`muon`, or :attr:`compiled_kernel` when one is installed)."""
         params = [p for p in group["params"] if p.grad is not None]
+        if update is muon and self.compiled_kernel is not None and params:
+            update = self.compiled_kernel
+            # lr as a 0-d tensor on the parameters' device: a new value is new data, not a new graph
+            group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=params[0].device)}
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
