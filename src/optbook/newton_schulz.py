@@ -172,9 +172,11 @@ def _aol(X: torch.Tensor, A: torch.Tensor, eps: float) -> tuple[torch.Tensor, to
     product (its sum is floored at ``eps``).
     """
     work = torch.promote_types(A.dtype, torch.float32)
-    s = A.to(work).abs().sum(dim=-1).clamp_min(eps).rsqrt()              # (batch, m)
-    X = (X.to(work) * s.unsqueeze(-1)).to(X.dtype)
-    A = (A.to(work) * s.unsqueeze(-1) * s.unsqueeze(-2)).to(A.dtype)
+    s = A.abs().sum(dim=-1, dtype=work).clamp_min(eps).rsqrt()           # (batch, m), summed in >= float32
+    # a low-precision tensor times a float32 one is computed in float32 (type promotion), element by element:
+    # the same numbers as converting first, without the converted copies
+    X = (X * s.unsqueeze(-1)).to(X.dtype)
+    A = (A * s.unsqueeze(-1) * s.unsqueeze(-2)).to(A.dtype)
     return X, A
 
 
