@@ -40,6 +40,7 @@ def overlap_model(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential
     (in a spawned worker too: the variable is inherited). The global random state is left alone.
     """
     gen = generator(seed)
+    global_state = torch.random.get_rng_state()   # nn.Linear's own initialisation draws from the global RNG
     blocks = []
     for _ in range(layers):
         lin = torch.nn.Linear(width, width)
@@ -48,6 +49,7 @@ def overlap_model(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential
             lin.weight.uniform_(-bound, bound, generator=gen)
             lin.bias.uniform_(-bound, bound, generator=gen)
         blocks += [lin, torch.nn.Tanh()]
+    torch.random.set_rng_state(global_state)
     return torch.nn.Sequential(*blocks)
 
 
@@ -67,11 +69,12 @@ def overlap_forward(rank: int, world_size: int, *, layers: int = 6, width: int =
     one bucket per ``Linear`` (``bucket_size = width * width + width``, Megatron's alignments 64 and 128),
     the buckets in forward order. Before each forward pass every element outside this rank's shards is set
     to NaN: the state after a ZeRO-1 step, where only the own shard is up to date (a missing gather would
-    show as NaN). Then the forward of a ``(batch, width)`` input drawn from ``seed + 1`` runs in each mode:
+    show as NaN). Then the forward of a ``(batch, width)`` input drawn from
+    ``optbook.runtime.generator(seed + 1)`` runs in each mode:
 
     ``"sync"``
-        a forward pre-hook on each ``Linear`` calls ``all_gather_single`` (``all_gather_into_tensor``) on its bucket
-        (``async_op=False``) and the layer computes when it returns: the gathers are all exposed.
+        a forward pre-hook on each ``Linear`` calls ``all_gather_single`` (``all_gather_into_tensor``) on its
+        bucket (``async_op=False``) and the layer computes when it returns: the gathers are all exposed.
     ``"overlap"``
         the first bucket's gather is issued (``async_op=True``) at the start; the pre-hook of ``Linear`` ``k``
         waits on bucket ``k``'s handle and then issues bucket ``k + 1``'s gather before the layer computes
