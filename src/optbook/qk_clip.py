@@ -44,7 +44,7 @@ from torch import nn
 from .contract import scale_weights_
 from .models.heads import attention_modules
 
-__all__ = ["qk_clip_", "qk_clip_factors"]
+__all__ = ["clipped_heads", "qk_clip_", "qk_clip_factors"]
 
 #: The roles of :class:`~optbook.models.heads.HeadRows` that qk_clip_ rescales.
 CLIPPED_ROLES = ("query", "key", "rotary_query")
@@ -222,3 +222,46 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
                 report.append(dict(layer=i, head=h, s_max=float(s_max[h]), gamma=min(1.0, tau / float(s_max[h])),
                                    q_factor=float(q_factor[h]), k_factor=float(k_factor[layout.kv_head(h)])))
     return report
+
+
+def clipped_heads(report: list[dict], n_layers: int, n_heads: int, *, triggered: bool = False) -> torch.Tensor:
+    """Which heads one :func:`qk_clip_` call clipped: a bool mask of shape ``(n_layers, n_heads)``.
+
+    Args:
+        report: the list :func:`qk_clip_` returned for one step (``[]`` when it clipped nothing).
+        n_layers: number of attention layers of the model, an int ``>= 1``.
+        n_heads: query heads per layer, an int ``>= 1``.
+        triggered: ``False``: every head whose query rows were rescaled (under GQA that includes the
+            quiet heads of a clipped group: the ``"group"`` rule shrinks their logits, the ``"per_head"``
+            rule enlarges their query rows to keep them). ``True``: only heads whose own
+            ``S_max`` exceeded ``tau`` (``gamma < 1``), the heads that "triggered QK-Clip" in the
+            sense of the Kimi K2 report (arXiv:2507.20534, Appendix D). Identical for MHA and MLA.
+
+    Returns:
+        ``torch.bool``, shape ``(n_layers, n_heads)``. Stack one mask per step into
+        ``(steps, n_layers, n_heads)``: ``.any(0)`` marks the heads clipped at least once, and
+        ``.float().mean((1, 2))`` is the share of heads clipped at each step.
+
+    Raises:
+        ValueError: ``n_layers`` or ``n_heads`` not an int ``>= 1``; a record without an int
+            ``layer`` and ``head`` and a ``gamma``, or outside ``(n_layers, n_heads)``; a head named twice.
+    """
+    for name, value in (("n_layers", n_layers), ("n_heads", n_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+    mask, seen = torch.zeros(n_layers, n_heads, dtype=torch.bool), set()
+    for record in report:
+        try:
+            layer, head, gamma = record["layer"], record["head"], float(record["gamma"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"Invalid report: expected records of qk_clip_ with 'layer', 'head' and 'gamma', "
+                             f"got {record!r}") from None
+        if not (isinstance(layer, int) and isinstance(head, int) and 0 <= layer < n_layers and 0 <= head < n_heads):
+            raise ValueError(f"Invalid report: head {head!r} of layer {layer!r} is outside "
+                             f"n_layers={n_layers}, n_heads={n_heads}")
+        if (layer, head) in seen:
+            raise ValueError(f"Invalid report: head {head} of layer {layer} is named twice (a report of one call "
+                             "names each head at most once)")
+        seen.add((layer, head))
+        mask[layer, head] = gamma < 1.0 or not triggered
+    return mask
