@@ -27,13 +27,12 @@ Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_fsdp2.py --rounds 3 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from bench_zero1 import transformer_shapes
+from bench_zero1 import distributed_setup
 from recording import save
 from torch import nn
 
@@ -158,15 +157,7 @@ def worker(rank: int, world_size: int, shapes: list, per_block: int, rounds: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
-    parser.add_argument("--steps", type=int, default=2, help="steps per contender and round")
-    parser.add_argument("--world-size", type=int, default=2, help="gloo processes (default 2)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--vocab", type=int, default=12288)
-    args = parser.parse_args()
-    shapes = transformer_shapes(args.layers, args.width, args.vocab)
+    args, shapes = distributed_setup(__doc__, rounds=3, steps=2)
     per_block = (len(shapes) - 3) // args.layers
     numel = sum(torch.Size(s).numel() for s in shapes)
     d = args.world_size

@@ -157,16 +157,23 @@ def worker(rank: int, world_size: int, shapes: list, rounds: int, steps: int) ->
             "bf16_state": mem16["optimizer_state"] + mem16["master_params"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per contender and round")
+def distributed_setup(doc: str, rounds: int, steps: int) -> tuple[argparse.Namespace, list[tuple[int, ...]]]:
+    """What the multi-process benchmarks share: ``--rounds``, ``--steps``, ``--world-size`` and the model's
+    ``--layers``/``--width``/``--vocab`` parsed with ``doc``'s first line as the description. Returns
+    ``(args, transformer_shapes(...))``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (median reported)")
+    parser.add_argument("--steps", type=int, default=steps, help="steps per contender and round")
     parser.add_argument("--world-size", type=int, default=2, help="gloo processes (default 2)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--vocab", type=int, default=12288)
     args = parser.parse_args()
-    shapes = transformer_shapes(args.layers, args.width, args.vocab)
+    return args, transformer_shapes(args.layers, args.width, args.vocab)
+
+
+def main() -> None:
+    args, shapes = distributed_setup(__doc__, rounds=5, steps=3)
     numel = sum(torch.Size(s).numel() for s in shapes)
     d = args.world_size
     out = launch(worker, d, shapes, args.rounds, args.steps, timeout=1800.0)
