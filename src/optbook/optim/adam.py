@@ -54,7 +54,9 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         decoupled_weight_decay: AdamW's ``p *= 1 - lr * weight_decay`` instead of L2 in the gradient.
         foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The CPU path walks the tensors one
             at a time and reuses one scratch buffer for ``sqrt(v)``, which avoids a fresh allocation
-            (and its page faults) per parameter.
+            (and its page faults) per parameter; tensors under 32768 elements (which ATen's CPU kernels run
+            on one thread) go through the foreach kernels together, one Python call per operation. Both
+            paths compute every element with the same operations, so they agree bitwise.
         amsgrad: divide by the running maximum of ``v``, kept in ``max_exp_avg_sqs`` (one tensor per
             parameter, updated in place; required when ``amsgrad``).
         maximize: step along ``+g`` (gradient ascent).
@@ -88,23 +90,37 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
 
     if foreach:
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        everything = range(len(params))
+    else:  # tensors too small for an intra-op thread pool go together through the foreach kernels:
+        # the same kernels one tensor at a time, bitwise the same, with one Python call per op
+        everything = [i for i, p in enumerate(params) if p.numel() < _SMALL]
+    if everything:
+        def pick(xs):
+            return [xs[i] for i in everything]
+        ps, gs, ms, vs = pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
         if amsgrad:
-            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-            denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+            maxs = pick(max_exp_avg_sqs)
+            torch._foreach_maximum_(maxs, vs)
+            denoms = torch._foreach_sqrt(maxs)
         else:
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denoms, [eps * c for c in c2])
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * b / a for a, b in zip(c1, c2)])
+            denoms = torch._foreach_sqrt(vs)
+        torch._foreach_add_(denoms, [eps * c2[i] for i in everything])
+        torch._foreach_addcdiv_(ps, ms, denoms, [-lr * c2[i] / c1[i] for i in everything])
+    if foreach:
         return
 
+    done = set(everything)
     sizes: dict = {}
-    for v in exp_avg_sqs:
-        sizes[v.device, v.dtype] = max(sizes.get((v.device, v.dtype), 0), v.numel())
+    for i, v in enumerate(exp_avg_sqs):
+        if i not in done:
+            sizes[v.device, v.dtype] = max(sizes.get((v.device, v.dtype), 0), v.numel())
     scratch = {key: torch.empty(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
     for i, (p, g, m, v, a, b) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, c1, c2)):
+        if i in done:
+            continue
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if amsgrad:
@@ -113,6 +129,10 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         denom = torch.sqrt(v, out=out)
         denom.add_(eps * b)
         p.addcdiv_(m, denom, value=-lr * b / a)
+
+
+#: Below this many elements an element-wise CPU kernel runs on one thread (ATen's ``GRAIN_SIZE``).
+_SMALL = 32768
 
 
 class _AdamBase(BookOptimizer):
