@@ -26,7 +26,7 @@ Every contender starts from the same parameters and the same per-rank gradients;
 State bytes per rank are counted from the real state tensors (float32 ``exp_avg``, ``exp_avg_sq``, step
 counters; for the bfloat16 line also the float32 master shards, after one step of a bfloat16 copy).
 
-Targets (issue "ZeRO-1 and distributed Muon"): state bytes per rank = 12P/DP (+ padding) for bfloat16
+Targets: state bytes per rank = 12P/DP (+ padding) for bfloat16
 parameters with float32 masters (8P/DP for float32 parameters, which are their own masters); time at most
 0.8x ZeroRedundancyOptimizer's default mode and at most 1.0x its bucket-view mode.
 
