@@ -321,3 +321,26 @@ def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():
         launch(layerwise_raise_mid_run, 2, bad_rank=1, at_step=2, timeout=120.0)
     assert "fails on purpose at step 2" in str(info.value)
     assert time.monotonic() - start < 60.0  # rank 0 waits in the all-reduce (up to 120 s): it was stopped
+
+
+def test_the_chapter_workers_draw_their_problem_through_the_runtime_seed_offset(monkeypatch):
+    from optbook.distributed.muon_workers import chain_problem, muon_chapter
+
+    monkeypatch.delenv("OPTBOOK_SEED_OFFSET", raising=False)
+    unshifted = muon_reference(2, seed=5)
+    moved = muon_problem(1014)[0]
+    monkeypatch.setenv("OPTBOOK_SEED_OFFSET", "1009")   # inherited by the spawned workers
+    assert _bitwise(muon_problem(5)[0], moved)          # shifted once, before any mixing
+    assert _bitwise(chain_problem(5)[0], moved)
+    reports = launch(muon_chapter, 2, sizes=(2,), steps=2, seed=5, timeout=120.0)
+    reference = muon_reference(2, seed=5)               # shifted by the same offset in this process
+    assert not _bitwise(reference, unshifted)
+    chain = chain_reference(seed=5)
+    G = torch.randn(96, 32, generator=torch.Generator().manual_seed(5 + 1009), dtype=torch.float64)
+    for rep in (r[2] for r in reports):
+        assert _bitwise(rep["layerwise"]["params"], reference)      # the offset reached the worker processes
+        assert _bitwise(rep["moonlight"]["params"], reference)
+        assert torch.equal(rep["tp_rows"]["G"], G) and torch.equal(rep["tp_cols"]["G"], G)
+        assert all(abs(a - b) <= 1e-12 * b for a, b in zip(rep["chain"]["norms"], chain["norms"]))
+    with pytest.raises(ValueError, match="seed"):       # before any collective: no process group here
+        muon_chapter(0, 1, seed=-1)

@@ -2,6 +2,10 @@
 takes ``(rank, world_size, ...)`` and returns picklable values; the single-process references are here too,
 so the notebook and the tests (whose own rank programs are in ``tests/muon_rank_programs.py``) use the same
 problem.
+
+Every random draw here starts from a ``seed`` argument shifted by :func:`optbook.runtime.seeds`, so a sweep's
+``OPTBOOK_SEED_OFFSET`` changes the problem in this process and, inherited by the spawned ranks, in every worker
+alike (offset 0, the default: the seeds as given).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from ..runtime import seeds
 from .wire import CommCounter, all_reduce_received
 from .workers import spread_over_ranks
 
@@ -48,15 +53,25 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _seed(seed: int) -> int:
+    """``seed`` plus the sweep's ``OPTBOOK_SEED_OFFSET`` (:func:`optbook.runtime.seeds`); shifted once, before
+    it is mixed with a step or a salt, so that fresh offsets never reproduce another step's draw.
+
+    Raises:
+        ValueError: ``seed`` is not a non-negative int.
+    """
+    return seeds(seed)[0]
+
+
 def muon_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[list[torch.Tensor], list[dict]]:
     """Seven 2-D parameters and two groups, the same on every rank for ``seed``.
 
     Shapes ``(16, 8)``, ``(8, 24)``, ``(12, 12)``, ``(16, 8)`` (shares the first's shape: batched together in
     one Newton–Schulz call), ``(6, 10)``, then ``(8, 6)``, ``(4, 6)``; entries ``k / 64``, ``k`` in
     ``[-64, 64)``. Groups: the first five (weight decay 0.1), the last two with ``head_split=2`` (two row
-    blocks each) and ``lr=0.01``.
+    blocks each) and ``lr=0.01``. ``seed`` is shifted by ``OPTBOOK_SEED_OFFSET`` (:mod:`optbook.runtime`).
     """
-    gen = _gen(seed)
+    gen = _gen(_seed(seed))
     shapes = [(16, 8), (8, 24), (12, 12), (16, 8), (6, 10), (8, 6), (4, 6)]
     params = [(torch.randint(-64, 64, s, generator=gen) / 64).to(dtype).requires_grad_() for s in shapes]
     groups = [{"params": params[:5], "weight_decay": 0.1},
@@ -67,7 +82,7 @@ def muon_problem(seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[lis
 def muon_mean_grads(params, step: int, seed: int = 0) -> list[torch.Tensor | None]:
     """The mean gradient at ``step`` (what a single process uses): entries ``k / 256``, ``k`` in
     ``[-512, 512)``; ``params[4]`` has none."""
-    gen = _gen(100003 * seed + 1009 * step + 3)
+    gen = _gen(100003 * _seed(seed) + 1009 * step + 3)
     grads = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).to(p.dtype) for p in params]
     grads[4] = None
     return grads
@@ -78,7 +93,7 @@ def muon_grads(params, step: int, rank: int, world_size: int, seed: int = 0) -> 
     exact sums in any order). Rank ``r`` gets ``G + (r - (d - 1) / 2) D``; ``params[1]`` gets ``d G`` on rank 0
     and ``None`` elsewhere; ``params[4]`` never has one."""
     mean = muon_mean_grads(params, step, seed)
-    gen = _gen(100003 * seed + 1009 * step + 11)
+    gen = _gen(100003 * _seed(seed) + 1009 * step + 11)
     return spread_over_ranks(params, mean, gen, rank, world_size)
 
 
@@ -171,14 +186,14 @@ def chain_problem(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]
     """``(matrices, others)``: the matrices of :func:`muon_problem` and three AdamW tensors ``(10,)``,
     ``(5, 4)`` (an embedding-like table), ``(3,)``, entries ``k / 64`` in float64."""
     params, _ = muon_problem(seed)
-    gen = _gen(seed + 17)
+    gen = _gen(_seed(seed) + 17)
     others = [(torch.randint(-64, 64, s, generator=gen) / 64).double().requires_grad_() for s in [(10,), (5, 4), (3,)]]
     return params, others
 
 
 def _chain_mean_grads(matrices, others, step: int, seed: int):
     mg = muon_mean_grads(matrices, step, seed)
-    gen = _gen(7 * seed + 31 * step + 5)
+    gen = _gen(7 * _seed(seed) + 31 * step + 5)
     og = [(torch.randint(-512, 512, p.shape, generator=gen) / 256).double() for p in others]
     return mg, og
 
@@ -186,7 +201,7 @@ def _chain_mean_grads(matrices, others, step: int, seed: int):
 def _chain_rank_grads(matrices, others, step, rank, world_size, seed):
     mg = muon_grads(matrices, step, rank, world_size, seed)
     _, og = _chain_mean_grads(matrices, others, step, seed)
-    gen = _gen(7 * seed + 31 * step + 6)
+    gen = _gen(7 * _seed(seed) + 31 * step + 6)
     og = [g + (rank - (world_size - 1) / 2) * (torch.randint(-512, 512, g.shape, generator=gen) / 256).double()
           for g in og]
     return mg, og
@@ -273,7 +288,7 @@ def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int =
 
     t = world_size if group is None else dist.get_world_size(group)
     r = rank if group is None else dist.get_rank(group)
-    G = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
+    G = torch.randn(*shape, generator=_gen(_seed(seed)), dtype=torch.float64)
     block = G.chunk(t, dim=partition_dim)[r].contiguous()
     out, comm = {}, {}
     for mode in TP_MODES:
@@ -292,7 +307,7 @@ def chapter_transformer(seed: int = 0):
     from ..models.transformer import TinyTransformer
 
     state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.manual_seed(_seed(seed))
     model = TinyTransformer(vocab_size=512, d_model=64, n_layers=2, n_heads=4)
     torch.random.set_rng_state(state)
     return model
@@ -325,7 +340,7 @@ def transformer_comm(rank: int, world_size: int, *, group=None, seed: int = 0) -
 
     def model_with_grads():
         m = chapter_transformer(seed)
-        gen = _gen(seed + 99)
+        gen = _gen(_seed(seed) + 99)
         for p in m.parameters():
             p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
         return m
@@ -401,17 +416,23 @@ def transformer_comm(rank: int, world_size: int, *, group=None, seed: int = 0) -
     return out
 
 
-def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 4) -> dict:
+def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: int = 4, seed: int = 0) -> dict:
     """Everything chapter 14 runs on processes, in one launch: for each ``d`` in ``sizes``, on the first ``d``
     processes: :func:`layerwise_train`, :func:`moonlight_train` (float64 gather, ``"all"`` and ``"touched"``),
     :func:`chain_train`,
-    :func:`tp_modes` on a ``(96, 32)`` matrix split by rows and by columns and :func:`transformer_comm`.
+    :func:`tp_modes` on a ``(96, 32)`` matrix split by rows and by columns and :func:`transformer_comm`, all
+    drawn from ``seed`` (a non-negative int, shifted by ``OPTBOOK_SEED_OFFSET`` through :mod:`optbook.runtime`,
+    which the spawned ranks inherit).
 
     Returns:
         ``{d: report or None}`` with report keys ``"layerwise"``, ``"moonlight"``, ``"moonlight_touched"``,
         ``"chain"``, ``"tp_rows"``,
         ``"tp_cols"``, ``"comm"``.
+
+    Raises:
+        ValueError: ``seed`` is not a non-negative int (on every rank, before any collective).
     """
+    _seed(seed)
     torch.set_num_threads(1)
     groups = {d: dist.group.WORLD if d == world_size else dist.new_group(list(range(d))) for d in sizes}
     out = {}
@@ -419,13 +440,14 @@ def muon_chapter(rank: int, world_size: int, *, sizes: tuple = (2, 4), steps: in
         report = None
         if rank < d:
             g = groups[d]
-            report = {"layerwise": layerwise_train(rank, d, steps=steps, group=g),
-                      "moonlight": moonlight_train(rank, d, steps=steps, group=g),
-                      "moonlight_touched": moonlight_train(rank, d, steps=steps, group=g, gather="touched"),
-                      "chain": chain_train(rank, d, group=g),
-                      "tp_rows": tp_modes(rank, d, shape=(96, 32), partition_dim=0, group=g),
-                      "tp_cols": tp_modes(rank, d, shape=(96, 32), partition_dim=1, group=g),
-                      "comm": transformer_comm(rank, d, group=g)}
+            report = {"layerwise": layerwise_train(rank, d, steps=steps, seed=seed, group=g),
+                      "moonlight": moonlight_train(rank, d, steps=steps, seed=seed, group=g),
+                      "moonlight_touched": moonlight_train(rank, d, steps=steps, seed=seed, group=g,
+                                                           gather="touched"),
+                      "chain": chain_train(rank, d, seed=seed, group=g),
+                      "tp_rows": tp_modes(rank, d, shape=(96, 32), partition_dim=0, seed=seed, group=g),
+                      "tp_cols": tp_modes(rank, d, shape=(96, 32), partition_dim=1, seed=seed, group=g),
+                      "comm": transformer_comm(rank, d, seed=seed, group=g)}
         out[d] = report
         dist.barrier()
     return out
