@@ -150,7 +150,11 @@ endif
 # The conformance matrix: each optimizer against independent implementations (torch.optim, pytorch-optimizer,
 # schedulefree, optax on JAX's CPU backend), the settings that make them agree to 1e-12 over 50 float64 steps
 # or the step where they differ and why. Installs the optional extra `conformance` into .venv first; the table
-# it generates is tests/conformance_table.md (OPTBOOK_UPDATE_CONFORMANCE=1 rewrites it).
+# it generates is tests/conformance_table.md (OPTBOOK_UPDATE_CONFORMANCE=1 rewrites it). Then Gram Newton-Schulz
+# against Dao-AILab's gram-newton-schulz, installed without its GPU-only dependencies; required here, not skipped.
 conformance: setup
 	$(BIN)/python -m pip install --quiet -e '.[conformance]'
 	$(RUN) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -o addopts="" -n 0 -rs tests/test_conformance.py
+	$(BIN)/python -m pip install --quiet --target _build/extpkgs --no-deps --upgrade gram-newton-schulz==0.1.6
+	$(RUN) OPTBOOK_EXTERNAL_PACKAGES=$(CURDIR)/_build/extpkgs OPTBOOK_REQUIRE_EXTERNAL=1 \
+	  $(BIN)/python -m pytest -q -o addopts="" -n 0 -rs tests/test_gram_newton_schulz.py -k dao_ailab
