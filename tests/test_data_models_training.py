@@ -62,3 +62,22 @@ def test_training_loop_learns_digits_and_records_update_rms():
 def test_seed_everything_rejects_bad_input():
     with pytest.raises(ValueError, match="seed"):
         seed_everything(-1)
+
+
+def test_train_copy_task_is_repeatable_clips_and_rejects_bad_input():
+    from optbook.training import train_copy_task
+
+    for bad, match in (({"optimizer": "SGD"}, "optimizer"), ({"tau": 0.0}, "tau"), ({"tau": float("nan")}, "tau"),
+                       ({"steps": 0}, "steps")):
+        kwargs = {"optimizer": "Muon", **bad}
+        with pytest.raises(ValueError, match=match):
+            train_copy_task(kwargs.pop("optimizer"), 0, torch.Generator().manual_seed(1), **kwargs)
+    runs = [train_copy_task("Muon", 0, torch.Generator().manual_seed(1), steps=3, tau=1e-3,
+                            record=lambda m: m.layers[0].attn.q_proj.weight.detach().clone()) for _ in range(2)]
+    (model, log), (model2, log2) = runs
+    assert len(log.losses) == 3 and log.max_logits.shape == (3, 2, 4) and log.losses == log2.losses
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    report, w = log.extras[-1]
+    assert len(report) == 8 and torch.equal(w, model.layers[0].attn.q_proj.weight)  # tau = 1e-3 clips every head
+    _, adamw_log = train_copy_task("AdamW", 0, torch.Generator().manual_seed(1), steps=2, n_kv_heads=2)
+    assert adamw_log.extras == [(None, None), (None, None)]

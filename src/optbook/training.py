@@ -15,7 +15,7 @@ from torch import nn
 
 from .clipping import clip_grad_norm_
 
-__all__ = ["TrainLog", "train", "evaluate", "SequenceLog", "train_sequence_model"]
+__all__ = ["TrainLog", "train", "evaluate", "SequenceLog", "train_sequence_model", "train_copy_task"]
 
 
 @dataclass
@@ -167,3 +167,58 @@ def train_sequence_model(model: nn.Module, optimizer: torch.optim.Optimizer, sam
     if maxima:
         log.max_logits = torch.stack(maxima)
     return log
+
+
+def train_copy_task(optimizer: str, seed: int, generator: torch.Generator, *, steps: int = 200,
+                    tau: float | None = None, record: Callable | None = None, vocab_size: int = 16,
+                    seq_len: int = 32, batch_size: int = 32, **model_options) -> tuple[nn.Module, SequenceLog]:
+    """The MuonClip chapters' experiment: a fresh ``TinyTransformer`` trained on the copy task.
+
+    The model has 2 layers, ``d_model = 64`` and 4 heads of 16 (``model_options`` are passed on to
+    :class:`optbook.models.TinyTransformer`, e.g. ``n_kv_heads=2``, ``attention="mla"``, ``qk_norm=True``);
+    its parameters are drawn after ``torch.manual_seed(seed)``. Each step trains on a fresh batch of
+    :func:`optbook.data.copy_task` ``(batch_size, seq_len)`` of int64 tokens in ``[0, vocab_size)`` drawn
+    from ``generator``, with no weight decay anywhere.
+
+    Args:
+        optimizer: ``"AdamW"`` (lr 3e-3 on every parameter) or ``"Muon"`` (Muon, lr 0.02, momentum 0.95,
+            Nesterov, Newton--Schulz in float32, on the hidden matrices; AdamW, lr 3e-3, on the
+            embeddings, the output head and the norm gains, routed by
+            :func:`optbook.optim.muon_param_groups`).
+        seed: the model's seed, used as given (pass a seed from :func:`optbook.runtime.seeds`).
+        generator: CPU generator of the batches (the run's data order).
+        steps: optimizer steps, ``>= 1``.
+        tau: when set, :func:`optbook.qk_clip_` with this threshold after every optimizer step.
+        record: optional ``record(model)`` called after each step (after the clip).
+
+    Returns:
+        ``(model, log)``: the trained model and the :class:`SequenceLog`, whose ``extras[t]`` is
+        ``(what qk_clip_ returned at step t or None, record(model) or None)``.
+
+    Raises:
+        ValueError: ``optimizer`` is not ``"AdamW"`` or ``"Muon"``, ``tau`` is not positive, ``steps < 1``
+            (before any training).
+    """
+    from .data import copy_task
+    from .models import TinyTransformer
+    from .optim import AdamW, ChainedOptimizer, Muon, muon_param_groups
+    from .qk_clip import qk_clip_
+
+    if optimizer not in ("AdamW", "Muon"):
+        raise ValueError(f"Invalid optimizer: expected 'AdamW' or 'Muon', got {optimizer!r}")
+    if tau is not None and not tau > 0:
+        raise ValueError(f"Invalid tau: expected a positive number or None, got {tau!r}")
+    if steps < 1:
+        raise ValueError(f"Invalid steps: expected >= 1, got {steps!r}")
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab_size, d_model=64, n_layers=2, n_heads=4, max_seq_len=seq_len, **model_options)
+    if optimizer == "AdamW":
+        opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    else:
+        routing = muon_param_groups(model, muon_options=dict(lr=0.02, ns_dtype=torch.float32),
+                                    adamw_options=dict(lr=3e-3))
+        opt = ChainedOptimizer([Muon(routing.muon), AdamW(routing.adamw)])
+    after = lambda step, m, o: (qk_clip_(m, tau) if tau else None, record(m) if record else None)
+    log = train_sequence_model(model, opt, lambda step: copy_task(batch_size, seq_len, vocab_size, generator=generator),
+                               steps=steps, after_step=after)
+    return model, log
