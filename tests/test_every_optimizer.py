@@ -472,3 +472,94 @@ def test_a_bfloat16_parameters_float32_statistics_round_trip_through_a_state_dic
     loaded.load_state_dict(opt.state_dict())
     assert loaded.state[loaded.param_groups[0]["params"][0]]["L"].dtype == torch.float32
     assert_bitwise_equal(loaded.state_dict()["state"], opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_state_dict_with_bad_scalars_or_foreign_keys_raises_and_writes_nothing(name, foreach):
+    # a step count or running sum that is missing, not a number or negative used to load and make the next
+    # step fail halfway; a key this class does not keep means a state dict of another optimizer
+    params = matrices()
+    opt = make(name, params, foreach)
+    drive(opt, params, 2)
+    saved = opt.state_dict()
+    bad_dicts = []
+    for key, kind in type(opt).state_scalars.items():
+        for value, words in ((None, "missing"), ("junk", "expected"), (-5, "expected"), (float("nan"), "expected")):
+            if kind == "float" and value == -5:
+                continue   # a negative running maximum is a value, not a kind error
+            bad = copy.deepcopy(saved)
+            if value is None:
+                del bad["state"][1][key]
+            else:
+                bad["state"][1][key] = value
+            bad_dicts.append((bad, rf"state\[1\]\['{key}'\].*{words}"))
+    foreign = copy.deepcopy(saved)
+    foreign["state"][1]["Q_R"] = torch.zeros(5, 5, dtype=torch.float64)
+    if "Q_R" not in foreign["state"][0]:
+        bad_dicts.append((foreign, r"state\[1\].*(keys .* does not keep: Q_R|only one of 'Q_L' and 'Q_R')"))
+    for bad, words in bad_dicts:
+        snap = snapshot(opt, params)
+        with pytest.raises(ValueError, match=words):
+            opt.load_state_dict(bad)
+        assert_unchanged(opt, params, snap)
+        drive(opt, params, 1, seed=5)   # still steps
+    if type(opt).state_scalars or name in ("SOAP",):
+        assert bad_dicts
+
+
+def test_soap_refuses_a_state_with_one_basis_only():
+    params = matrices()
+    opt = make("SOAP", params)
+    drive(opt, params, 3)   # precondition_frequency 2: the bases exist
+    bad = opt.state_dict()
+    del bad["state"][1]["Q_R"]
+    snap = snapshot(opt, params)
+    with pytest.raises(ValueError, match="only one of 'Q_L' and 'Q_R'"):
+        opt.load_state_dict(bad)
+    assert_unchanged(opt, params, snap)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_a_torch_optim_checkpoint_loads_and_continues_as_torch_does(name):
+    # torch.optim keeps `step` as a 0-dim float tensor; it is read as the int it holds
+    params = matrices()
+    theirs = getattr(torch.optim, name)(params, lr=0.01, weight_decay=0.1, foreach=False)
+    drive(theirs, params, 3)
+    ours_params = [p.detach().clone().requires_grad_() for p in params]
+    ours = make(name, ours_params)
+    ours.load_state_dict(theirs.state_dict())
+    assert all(type(ours.state[p]["step"]) is int and ours.state[p]["step"] == 3 for p in ours_params)
+    drive(theirs, params, 3, seed=9)
+    drive(ours, ours_params, 3, seed=9)
+    for a, b in zip(params, ours_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("key, value", [("lr", 1e300), ("lr", 10**30), ("weight_decay", 1e300)])
+def test_a_scalar_torch_cannot_take_is_refused_before_the_first_group_is_written(name, foreach, key, value):
+    # finite in float64 but not a float32 (or int64) scalar: torch used to refuse it in the second group's
+    # kernel, after the first group had been stepped
+    params = matrices()
+    opt = make(name, params[:1], foreach)
+    opt.add_param_group({"params": params[1:]})
+    drive(opt, params, 1)
+    opt.param_groups[1][key] = value
+    snap = snapshot(opt, params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=key):
+        opt.step()
+    assert_unchanged(opt, params, snap)
+
+
+def test_schedule_free_refuses_an_averaging_weight_that_overflows_before_any_write():
+    params = matrices()
+    opt = ScheduleFreeAdamW([{"params": params[:1]}, {"params": params[1:], "r": 1000.0}], lr=0.01)
+    drive(opt, params, 2)   # 2**1000 is still a float
+    snap = snapshot(opt, params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"r or weight_lr_power of param_groups\[1\].*step 3"):
+        opt.step()
+    assert_unchanged(opt, params, snap)

@@ -23,19 +23,28 @@ def _is_real_number(value) -> bool:
     return isinstance(value, (int, float))
 
 
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False) -> float:
     """Return ``float(value)`` after checking it is a finite real number in the given interval.
 
     Raises:
         TypeError: ``value`` is not a real number (bool, complex, str, multi-element tensor).
-        ValueError: ``value`` is NaN, infinite, or outside the interval; the message names ``name``.
+        ValueError: ``value`` is NaN, infinite, beyond float32's range (an int: beyond int64's), or outside
+            the interval; the message names ``name``.
     """
     if not _is_real_number(value):
         raise TypeError(f"Invalid {name}: expected a real number, got {value!r} ({type(value).__name__})")
+    if isinstance(value, int) and abs(value) > _INT64_MAX:
+        raise ValueError(f"Invalid {name}: {value} does not fit torch's 64-bit scalar arguments; expected a float")
     x = float(value)
     if not math.isfinite(x):
         raise ValueError(f"Invalid {name}: expected a finite number, got {x}")
+    if abs(x) > _FLOAT32_MAX:  # the step multiplies float32 tensors by it: torch refuses such a scalar mid-step
+        raise ValueError(f"Invalid {name}: expected a number within float32's range (|{name}| <= 3.4e38), got {x}")
     if low is not None and (x <= low if low_open else x < low):
         raise ValueError(f"Invalid {name}: expected {name} {'>' if low_open else '>='} {low}, got {x}")
     if high is not None and (x >= high if high_open else x > high):
@@ -49,6 +58,8 @@ def check_int(name: str, value, low: int) -> int:
         raise TypeError(f"Invalid {name}: expected an int >= {low}, got {value!r} ({type(value).__name__})")
     if value < low:
         raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
+    if value > _INT64_MAX:
+        raise ValueError(f"Invalid {name}: {value} does not fit a 64-bit integer")
     return value
 
 

@@ -88,6 +88,7 @@ class Adafactor(BookOptimizer):
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "beta2_decay", "eps", "d", "weight_decay")
+    state_scalars = {"step": "count"}
 
     def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
                  weight_decay: float = 0.0):

@@ -139,6 +139,7 @@ class _AdamBase(BookOptimizer):
     _decoupled: bool
     elementwise = True
     state_tensors = 2  #: parameter-sized state tensors (exp_avg, exp_avg_sq), for optbook.memory
+    state_scalars = {"step": "count"}
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "eps", "weight_decay")
 

@@ -105,6 +105,7 @@ class AdaMuon(BookOptimizer):
     elementwise = False
     matrix_hint = MATRIX_ROUTE
     float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
+    state_scalars = {"step": "count"}
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.999,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",

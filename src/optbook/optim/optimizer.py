@@ -36,6 +36,7 @@ import collections
 import contextlib
 import copy
 import inspect
+import math
 
 import torch
 
@@ -80,6 +81,23 @@ def check_state_layout(param_groups: list[dict], state_dict) -> None:
     extra = [k for k in state_dict["state"] if k not in seen]
     if extra:
         raise ValueError(f"Invalid state_dict: state for parameter indices {extra[:5]} that no group lists")
+
+
+_MISSING = object()
+
+
+def _check_state_scalar(value, kind: str, where: str) -> None:
+    """Raise unless ``value`` is a valid loaded state scalar of ``kind`` (see ``BookOptimizer.state_scalars``)."""
+    if value is _MISSING:
+        raise ValueError(f"Invalid state_dict: {where} is missing (the step needs it)")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()
+    if kind == "count":
+        whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value == int(value))
+        if isinstance(value, bool) or not whole or value < 0:
+            raise ValueError(f"Invalid state_dict: {where} is {value!r}; expected a step count, an int >= 0")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"Invalid state_dict: {where} is {value!r}; expected a finite number")
 
 
 def raise_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -217,6 +235,15 @@ class BookOptimizer(torch.optim.Optimizer):
         """
         return {"momentum_buffer": (tuple(p.shape), p.dtype, False)}
 
+    #: The non-tensor entries of a parameter's (non-empty) state that the step reads: ``{key: kind}``, kind
+    #: ``"count"`` (an int ``>= 0``; the 0-dim tensor ``torch.optim`` keeps for ``step``, or a float, is accepted
+    #: when it holds a whole number, and :meth:`load_state_dict` stores it as an int) or ``"float"`` (a finite real).
+    state_scalars: dict[str, str] = {}
+
+    def _check_state_entry(self, state: dict, where: str) -> None:
+        """A class's own rule about one parameter's loaded ``state`` beyond shapes and kinds (default: none);
+        raises ``ValueError`` naming ``where``."""
+
     def check_state_dict(self, state_dict) -> None:
         """Check that ``state_dict`` fits this optimizer, writing nothing; :meth:`load_state_dict` calls it.
 
@@ -244,7 +271,15 @@ class BookOptimizer(torch.optim.Optimizer):
                 if not isinstance(state, dict):
                     raise TypeError(f"Invalid state_dict: state[{index!r}] {of} is a {type(state).__name__}, "
                                     "expected a dict")
-                for key, (shape, dtype, required) in self._expected_state(p, merged).items():
+                expected = self._expected_state(p, merged)
+                unknown = sorted(str(k) for k in state if k not in expected and k not in self.state_scalars)
+                if unknown:
+                    raise ValueError(f"Invalid state_dict: state[{index!r}] {of} has keys {type(self).__name__} "
+                                     f"does not keep: {', '.join(unknown)} (a state dict of another optimizer?)")
+                for key, kind in self.state_scalars.items():
+                    _check_state_scalar(state.get(key, _MISSING), kind, f"state[{index!r}][{key!r}] {of}")
+                self._check_state_entry(state, f"state[{index!r}] {of}")
+                for key, (shape, dtype, required) in expected.items():
                     value = state.get(key)
                     where = f"state[{index!r}][{key!r}] {of}"
                     if value is None:
@@ -282,6 +317,10 @@ class BookOptimizer(torch.optim.Optimizer):
             p = id_map[index]
             state[p] = {k: v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                         for k, v in value.items()}
+            for key, kind in self.state_scalars.items():  # torch.optim's tensor step, read as the int it holds
+                if kind == "count" and key in state[p] and not isinstance(state[p][key], int):
+                    state[p][key] = int(state[p][key].item() if isinstance(state[p][key], torch.Tensor)
+                                        else state[p][key])
         groups = []
         for group, saved in zip(self.param_groups, saved_groups):
             saved["params"] = group["params"]

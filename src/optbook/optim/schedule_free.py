@@ -128,6 +128,7 @@ class ScheduleFreeAdamW(BookOptimizer):
 
     elementwise = True
     float_options = ("lr", "betas", "eps", "weight_decay", "r", "weight_lr_power")
+    state_scalars = {"step": "count", "lr_max": "float", "weight_sum": "float"}
 
     def __init__(self, params, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0):
@@ -162,6 +163,20 @@ class ScheduleFreeAdamW(BookOptimizer):
                 raise RuntimeError(f"Invalid call: step() with param_groups[{gi}] in eval mode (the parameters hold "
                                    "the average x); call optimizer.train() first. Nothing was written")
         super()._validate()
+        for gi, group in enumerate(self.param_groups):  # the step's scalars must exist before any write
+            g = self._read_floats(group)
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state.get(p) or {}
+                try:
+                    schedule_free_weight(state.get("step", 0) + 1, g["lr"], warmup_steps=g["warmup_steps"], r=g["r"],
+                                         weight_lr_power=g["weight_lr_power"], lr_max=state.get("lr_max", -1.0),
+                                         weight_sum=state.get("weight_sum", 0.0))
+                except (OverflowError, ZeroDivisionError) as e:
+                    raise ValueError(f"Invalid r or weight_lr_power of param_groups[{gi}]: the averaging weight "
+                                     f"t**r * lr_max**weight_lr_power of param_groups[{gi}]['params'][{pi}] at step "
+                                     f"{state.get('step', 0) + 1} is not a float ({e}); nothing was written") from e
 
     @torch.no_grad()
     def _switch(self, to_train: bool) -> None:

@@ -99,6 +99,7 @@ class Shampoo(BookOptimizer):
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "beta2", "eps", "momentum", "weight_decay")
+    state_scalars = {"step": "count"}
 
     matrix_hint = MATRIX_HINT
 

@@ -122,6 +122,11 @@ class SOAP(BookOptimizer):
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "shampoo_beta", "eps", "weight_decay")
+    state_scalars = {"step": "count"}
+
+    def _check_state_entry(self, state: dict, where: str) -> None:
+        if ("Q_L" in state) != ("Q_R" in state):  # the bases are computed together, at the same steps
+            raise ValueError(f"Invalid state_dict: {where} has only one of 'Q_L' and 'Q_R'; SOAP keeps both or neither")
 
     matrix_hint = MATRIX_HINT
 
