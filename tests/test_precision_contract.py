@@ -345,3 +345,49 @@ def test_without_a_scaler_a_nonfinite_float32_gradient_is_named():
         opt.step()
     assert torch.equal(c.detach(), torch.ones(3)) and torch.equal(a, torch.ones(2, dtype=torch.bfloat16))
     assert opt.master_params()[0].grad is None
+
+
+@pytest.mark.parametrize("wrap", ["mixed precision", "offload"])
+def test_replacing_a_parameters_data_is_taken_up(wrap):
+    # `p.data = other` bumps no version counter; the owner sees the new data address
+    from optbook.memory import OffloadOptimizer
+
+    lin = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)
+    opt = (MixedPrecisionOptimizer(SGD(lin.parameters(), lr=0.5)) if wrap == "mixed precision"
+           else OffloadOptimizer(lin.parameters(), SGD, lr=0.5))
+    lin.weight.grad = torch.zeros(4, 4, dtype=torch.bfloat16)
+    opt.step()
+    lin.weight.data = torch.full((4, 4), 7.0, dtype=torch.bfloat16)
+    lin.weight.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(lin.weight.detach(), torch.full((4, 4), 6.5, dtype=torch.bfloat16))
+
+
+def test_a_bad_option_of_a_chain_member_is_refused_before_the_scaler_moves():
+    from optbook.optim import AdamW, ChainedOptimizer
+    from optbook.precision import DynamicLossScaler
+
+    w, b = (torch.ones(4, 4, dtype=torch.bfloat16, requires_grad=True),
+            torch.ones(4, dtype=torch.bfloat16, requires_grad=True))
+    mp = MixedPrecisionOptimizer(ChainedOptimizer([SGD([w], lr=0.1), AdamW([b], lr=0.1)]), DynamicLossScaler())
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    mp.step()
+    mp.param_groups[1]["lr"] = float("nan")
+    before = (copy.deepcopy(mp.loss_scaler.state_dict()), w.detach().clone(), b.detach().clone())
+    for _ in range(3):
+        with pytest.raises(ValueError, match="lr"):
+            mp.step()
+    assert mp.loss_scaler.state_dict() == before[0]
+    assert torch.equal(w.detach(), before[1]) and torch.equal(b.detach(), before[2])
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_add_param_group_refuses_a_parameter_the_wrapper_already_steps(chain):
+    from optbook.optim import ChainedOptimizer
+
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    inner = ChainedOptimizer([SGD([w], lr=0.5)]) if chain else SGD([w], lr=0.5)
+    mp = MixedPrecisionOptimizer(inner)
+    with pytest.raises(ValueError, match="already stepped by this wrapper"):
+        mp.add_param_group({"params": [w]}, **({"optimizer": 0} if chain else {}))
+    assert len(mp.master_params()) == 1 and len(mp.param_groups) == 1

@@ -20,6 +20,10 @@ An outside write is never silently undone
     it up -- copies the parameter into its copy -- before anything else, so it never writes stale weights
     over it. An edit that must not lose the master's low bits goes through :func:`scale_weights_`, which
     :func:`optbook.qk_clip_` uses: the owner scales its (float32) copy and writes the model's parameter from it.
+    Replacing a parameter's data (``p.data = other``) moves its data address, which the owner records too.
+    One write is not seen: an in-place write through ``p.data`` (``p.data.copy_(x)``), which PyTorch counts
+    on a separate version counter by design (that is what ``.data`` is for); write under
+    ``torch.no_grad()`` instead, as ``nn.init`` and ``load_state_dict`` do.
 
 Non-finite gradients: one policy per kind of step
     * No loss scaler (every optimizer of :mod:`optbook.optim`, the chain, every wrapper built without one):
@@ -143,22 +147,34 @@ def scale_weights_(param: torch.Tensor, factor) -> None:
     param.mul_(factor)
 
 
+def _where(p: torch.Tensor):
+    """``p``'s version counter and data address: an in-place write moves the first, ``p.data = other`` the
+    second. ``None`` for the address of a tensor subclass that has none of its own (a ``DTensor``)."""
+    try:
+        return p._version, p.data_ptr()
+    except RuntimeError:
+        return p._version, None
+
+
 class VersionTracker:
     """The version each parameter had after the owner's last write, to see writes it did not make.
 
     ``record(params)`` after every write of the owner; ``changed(params)`` lists the indices of those whose
-    ``_version`` moved since. Host integers only: no device synchronisation.
+    ``_version`` (an in-place write) or data address (``p.data = other``) moved since. Host integers only:
+    no device synchronisation. Not seen: an in-place write through ``p.data`` (``p.data.copy_(x)``), which
+    PyTorch counts on a separate version counter on purpose; write under ``torch.no_grad()`` instead, as
+    ``nn.init`` and ``load_state_dict`` do.
     """
 
     def __init__(self) -> None:
-        self._versions: dict[int, int] = {}
+        self._versions: dict[int, tuple] = {}
 
     def record(self, params) -> None:
         for p in params:
-            self._versions[id(p)] = p._version
+            self._versions[id(p)] = _where(p)
 
     def changed(self, params) -> list[int]:
-        return [i for i, p in enumerate(params) if self._versions.get(id(p)) != p._version]
+        return [i for i, p in enumerate(params) if self._versions.get(id(p)) != _where(p)]
 
 
 # --- which optimizers a flat shard can step -----------------------------------------------------------------

@@ -650,8 +650,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 may leave it out when the chain has one member).
 
         Raises:
-            ValueError: a float16 parameter without a loss scaler; ``optimizer`` given when the inner
-                optimizer is not a chain; whatever the inner ``add_param_group`` raises (then nothing has
+            ValueError: a float16 parameter without a loss scaler; a parameter this wrapper already steps;
+                ``optimizer`` given when the inner optimizer is not a chain; whatever the inner ``add_param_group`` raises (then nothing has
                 been recorded here).
         """
         from .optim import ChainedOptimizer
@@ -664,6 +664,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if optimizer is not None and not chain:
             raise ValueError(f"Invalid optimizer: it names the member of a ChainedOptimizer that gets the group; "
                              f"this wrapper's inner optimizer is a {type(self.optimizer).__name__}")
+        held = {id(p) for p in self._model_params}
+        for pi, p in enumerate(params):
+            if id(p) in held:   # a second master of one weight: the last group's would win at every step
+                raise ValueError(f"Invalid param_group: params[{pi}] (shape {tuple(p.shape)}) is already stepped "
+                                 "by this wrapper; some parameters appear in more than one parameter group")
         n_pairs, n_params = len(self._pairs), len(self._model_params)
         group = {**param_group, "params": self._with_masters(params)}
         try:
@@ -757,9 +762,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Check the scale, an optbook inner optimizer's hyperparameters and every model gradient (shape,
         dtype, device; finite without a loss scaler) before anything is written; return the scale."""
         scale = self.loss_scale
-        if isinstance(self.optimizer, BookOptimizer):  # its hyperparameters (a scheduler may have set them)
-            for group in self.optimizer.param_groups:
-                check_hyperparameters(self.optimizer, group)
+        from .optim import ChainedOptimizer
+
+        inner = self.optimizer.optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
+        for opt in inner:   # their hyperparameters (a scheduler may have set them), before the scaler moves
+            if isinstance(opt, BookOptimizer):
+                for group in opt.param_groups:
+                    check_hyperparameters(opt, group)
         for i, (p, _) in enumerate(self._pairs):
             if p.grad is not None:
                 check_grad(p, f"model parameter {i} (float16/bfloat16)")

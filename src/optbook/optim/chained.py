@@ -115,7 +115,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: an element is not a ``torch.optim.Optimizer``.
-        ValueError: no optimizers, a parameter owned by two members, or ``max_grad_norm <= 0``.
+        ValueError: no optimizers, a parameter owned by two members, or ``max_grad_norm <= 0`` (or NaN).
+        TypeError: a member that is not a ``torch.optim.Optimizer``; ``max_grad_norm`` not a number.
     """
 
     def __init__(self, optimizers, max_grad_norm: float | None = None):
@@ -136,7 +137,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"Invalid optimizers: a parameter of shape {tuple(p.shape)} is in two "
                                          "optimizers")
                     seen.add(id(p))
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not max_grad_norm > 0):
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
+            raise TypeError(f"Invalid max_grad_norm: expected a number > 0 or None, got {max_grad_norm!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: expected > 0 or None, got {max_grad_norm!r}")
         self.optimizers = members
         self.max_grad_norm = max_grad_norm
