@@ -142,3 +142,19 @@ def test_skipped_steps_is_saved_and_an_old_dict_loads():
     opt2 = OffloadOptimizer(model2.parameters(), AdamW, offload_fraction=0.5, lr=0.1)
     opt2.load_state_dict(sd)
     assert opt2.skipped_steps == 0 and same(params_of(model2), params_of(model))
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("nan")), ("betas", (0.9, 1.5))])
+def test_a_state_dict_with_bad_hyperparameters_is_refused_before_anything_is_written(key, value):
+    model = mlp(F32)
+    opt = OffloadOptimizer(model.parameters(), AdamW, lr=1e-2)
+    grads(model)
+    opt.step()
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0][key] = value
+    before = frozen(model, opt)
+    with pytest.raises(ValueError, match=f"param_groups\\[0\\].*{key}"):
+        opt.load_state_dict(bad)
+    after = frozen(model, opt)
+    assert same(before[0], after[0]) and same(before[1], after[1])
+    assert opt.param_groups[0][key] != value

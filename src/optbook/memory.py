@@ -647,21 +647,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- the step ---------------------------------------------------------------------------------------
+    def _check_group(self, gi: int, group: dict) -> None:
+        """The hyperparameters of ``group`` (index ``gi``) as the inner optimizer checks them; raises
+        ``TypeError``/``ValueError`` naming the option."""
+        books = [opt for opt, _ in self._subs if isinstance(opt, BookOptimizer)]
+        if books:
+            books[0]._check_hyperparameters(group)
+            return
+        accepted = inspect.signature(self.optimizer_class).parameters
+        hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
+        try:
+            self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"param_groups[{gi}]: {e}") from e
+
     def _validate(self) -> None:
         """Hyperparameters and every model gradient, before anything is written. An optbook inner optimizer
         checks a group with its own ``_check_hyperparameters``; another ``torch.optim`` class checks only in
         its constructor, so the group's hyperparameters are passed to a throwaway instance over one element."""
-        books = [opt for opt, _ in self._subs if isinstance(opt, BookOptimizer)]
         for gi, group in enumerate(self.param_groups):
-            if books:
-                books[0]._check_hyperparameters(group)
-            else:
-                accepted = inspect.signature(self.optimizer_class).parameters
-                hyper = {k: v for k, v in group.items() if k != "params" and k in accepted}
-                try:
-                    self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"param_groups[{gi}]: {e}") from e
+            self._check_group(gi, group)
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(p, f"param_groups[{gi}]['params'][{pi}]")
@@ -813,6 +818,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_optimizer_state_dict(state_dict, [list(g["params"]) for g in self.param_groups],
                                    [elementwise(self.optimizer_class)] * len(self._params),
                                    [self.state.get(p, {}) for p in self._params])
+        for gi, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            try:
+                self._check_group(gi, {**group, **{k: v for k, v in saved.items() if k != "params"}})
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"Invalid state_dict: param_groups[{gi}]: {e}") from e
         masters = state_dict["master_params"]
         if len(masters) != len(targets):
             raise ValueError(f"Invalid state_dict: it holds {len(masters)} master_params, this optimizer has "
