@@ -131,3 +131,15 @@ def test_gradient_of_wrong_shape_or_dtype_fails_before_any_change(cls):
     with pytest.raises(TypeError, match="dtype"):
         opt.step()
     assert_unchanged(opt, params, snap)
+
+
+@pytest.mark.parametrize("cls", ["Muon", "NorMuon", "AdaMuon", "Scion"])
+@pytest.mark.parametrize("kwargs, word", [(dict(ns_steps=0), "Invalid ns_steps"),
+                                          (dict(coefficients=3.0), "Invalid coefficients"),
+                                          (dict(coefficients=None), "Invalid coefficients"),
+                                          (dict(coefficients=(1, 2, 3)), "Invalid coefficients")])
+def test_a_bad_newton_schulz_schedule_is_named_by_the_optimizers_argument(cls, kwargs, word):
+    import optbook.optim
+
+    with pytest.raises(ValueError, match=word):
+        getattr(optbook.optim, cls)([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, **kwargs)

@@ -16,6 +16,7 @@ reach ``U V^T``; they push every singular value of a normalised input into a ban
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -92,10 +93,17 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
             raise ValueError(f"Invalid steps: coefficients='deepseek_v4' is a 10-step schedule "
                              f"(8 x simple + 2 x (2, -1.5, 0.5)); pass steps=10, got {steps}")
     else:
-        base = tuple(tuple(c) for c in coefficients)
-        if not base or any(len(c) != 3 or not all(math.isfinite(float(x)) for x in c) for c in base):
-            raise ValueError(f"Invalid coefficients: expected a non-empty sequence of (a, b, c) triples "
-                             f"of finite numbers, got {coefficients!r}")
+        def finite_triple(c) -> bool:
+            return (len(c) == 3 and all(not isinstance(x, bool) and isinstance(x, (numbers.Real, torch.Tensor))
+                                        and math.isfinite(float(x)) for x in c))
+        try:
+            base = tuple(tuple(c) for c in coefficients)
+            valid = bool(base) and all(finite_triple(c) for c in base)
+        except (TypeError, ValueError, RuntimeError):  # not a sequence of sequences of numbers
+            valid = False
+        if not valid:
+            raise ValueError(f"Invalid coefficients: expected a schedule name or a non-empty sequence of (a, b, c) "
+                             f"triples of finite numbers, got {coefficients!r}")
     return [tuple(float(x) for x in base[min(i, len(base) - 1)]) for i in range(steps)]
 
 

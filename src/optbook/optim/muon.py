@@ -268,7 +268,10 @@ class Muon(BookOptimizer):
         check_weight_decay(group["weight_decay"])
         check_number("extra_scale_factor", group["extra_scale_factor"])
         check_number("eps", group["eps"], low=0.0, low_open=True)
-        ns_schedule(group["coefficients"], group["ns_steps"])
+        try:
+            ns_schedule(group["coefficients"], group["ns_steps"])
+        except ValueError as e:  # name the optimizer's argument, not the schedule's
+            raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
         muon_scale((1, 1), group["scale_mode"])
         check_nesterov(group["nesterov"], momentum)
         if group["ns_dtype"] not in NS_DTYPES:
