@@ -143,3 +143,13 @@ def test_a_bad_newton_schulz_schedule_is_named_by_the_optimizers_argument(cls, k
 
     with pytest.raises(ValueError, match=word):
         getattr(optbook.optim, cls)([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, **kwargs)
+
+
+@pytest.mark.parametrize("cls", ["SGD", "AdamW", "Muon", "NorMuon", "Shampoo", "Dion"])
+def test_a_set_of_parameters_is_refused_as_torch_refuses_it(cls):
+    import optbook.optim
+
+    opt = getattr(optbook.optim, cls)([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01)
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(4, 4))}})
+    assert len(opt.param_groups) == 1

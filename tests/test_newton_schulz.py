@@ -209,3 +209,15 @@ def test_polar_express_in_low_precision_stays_in_its_band(dtype):
     U, V, G = random_svd(32, 48, s, seed=2)
     sv = torch.linalg.svdvals(newton_schulz(G.float(), coefficients="polar_express", dtype=dtype).double())
     assert float(sv.min()) > 0.83 and float(sv.max()) < 1.17, sv  # seen: [0.859, 1.142]
+
+
+def test_empty_matrices_map_to_empty_and_integer_inputs_are_refused():
+    from optbook import newton_schulz, polar_factor
+
+    for shape in ((0, 4), (3, 0), (2, 0, 5)):
+        out = newton_schulz(torch.zeros(shape, dtype=torch.float64))
+        assert out.shape == shape and out.dtype == torch.float64
+    with pytest.raises(TypeError, match="Invalid dtype"):
+        newton_schulz(torch.randn(3, 4), dtype=torch.int32)
+    with pytest.raises(TypeError, match="Invalid G"):
+        polar_factor(torch.ones(3, 3, dtype=torch.int64))

@@ -287,7 +287,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
             unknown ``gram``, ``algorithm`` or ``precondition``, bad ``restarts``, or ``gram="symmetric"``
             with a ``dtype`` other than float16/bfloat16/float32 or with a ``G`` that requires grad while
             grad mode is on.
-        TypeError: ``G`` is not a real floating-point tensor.
+        TypeError: ``G`` is not a real floating-point tensor; ``dtype`` is not a floating-point dtype.
 
     Sources: Gram Newton–Schulz and its restart: Dao-AILab/gram-newton-schulz at commit f08f25e
     (``gram_newton_schulz/gram_newton_schulz.py``, README's algorithm box), the implementation
@@ -314,8 +314,12 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
                         f"{getattr(G, 'dtype', type(G).__name__)}")
     if G.ndim < 2:
         raise ValueError(f"Invalid G: expected shape (..., m, n), got {tuple(G.shape)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"Invalid dtype: expected a floating-point torch.dtype, got {dtype!r}")
     if not eps > 0:
         raise ValueError(f"Invalid eps: expected > 0, got {eps!r}")
+    if G.numel() == 0:   # no singular value: the polar factor of an empty matrix is the empty matrix
+        return torch.empty(G.shape, dtype=G.dtype, device=G.device)
     norm_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(norm_dtype)
     norm = torch.linalg.matrix_norm(X, keepdim=True).clamp_min_(eps)
@@ -372,7 +376,11 @@ def polar_factor(G: torch.Tensor) -> torch.Tensor:
 
     Raises:
         ValueError: ``G`` has fewer than 2 dimensions.
+        TypeError: ``G`` is not a real floating-point tensor.
     """
+    if not isinstance(G, torch.Tensor) or not G.is_floating_point():
+        raise TypeError(f"Invalid G: expected a real floating-point tensor, got "
+                        f"{getattr(G, 'dtype', type(G).__name__)}")
     if G.ndim < 2:
         raise ValueError(f"Invalid G: expected shape (..., m, n), got {tuple(G.shape)}")
     work = G.to(torch.promote_types(G.dtype, torch.float32))

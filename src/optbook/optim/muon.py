@@ -253,6 +253,9 @@ class Muon(BookOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
+        if isinstance(params, set):   # as torch.optim: a set's order changes between runs (state dicts map by order)
+            raise TypeError("Invalid params: optimizer parameters need to be organized in ordered collections, but "
+                            "the ordering of tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group = {**self.defaults, **param_group}
         check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
