@@ -47,3 +47,16 @@ def test_without_torchrun_or_nproc_it_runs_in_this_process():
     assert 8 * r["numel"] <= r["state_bytes"] < 1.01 * 8 * r["numel"]  # float32: m and v
     assert not dist.is_initialized()  # the group of size 1 was destroyed again
     assert main(["--steps", "1"]) == 0
+
+
+
+def test_bad_arguments_end_in_a_usage_error_naming_the_option(capsys):
+    import pytest
+
+    from optbook.distributed.demo import parse_args
+
+    for argv, option in ((["--lr", "nan"], "--lr"), (["--clip", "inf"], "--clip"), (["--d-model", "30"], "--d-model"),
+                         (["--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2 and f"error: {option} must" in capsys.readouterr().err, option

@@ -73,8 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch", "seq", "vocab", "d_model", "layers", "nproc", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.clip < 0 or args.lr < 0 or args.muon_lr < 0 or args.weight_decay < 0:
-        p.error("--clip, --lr, --muon-lr and --weight-decay must be >= 0")
+    for name in ("clip", "lr", "muon_lr", "weight_decay"):
+        if not 0 <= getattr(args, name) < float("inf"):   # NaN fails this too
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0")
+    if args.d_model % 4:
+        p.error(f"--d-model must be a multiple of 4 (the demo model has 4 attention heads), got {args.d_model}")
     return args
 
 
