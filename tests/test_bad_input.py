@@ -153,3 +153,12 @@ def test_a_set_of_parameters_is_refused_as_torch_refuses_it(cls):
     with pytest.raises(TypeError, match="ordered collections"):
         opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(4, 4))}})
     assert len(opt.param_groups) == 1
+
+
+def test_muon_scale_refuses_a_scale_factor_that_is_not_a_finite_number():
+    from optbook.optim import muon_scale
+
+    with pytest.raises(ValueError, match="extra_scale_factor"):
+        muon_scale((4, 4), "spectral", extra_scale_factor=float("nan"))
+    with pytest.raises(TypeError, match="extra_scale_factor"):
+        muon_scale((4, 4), "spectral", extra_scale_factor="2")

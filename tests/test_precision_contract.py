@@ -391,3 +391,27 @@ def test_add_param_group_refuses_a_parameter_the_wrapper_already_steps(chain):
     with pytest.raises(ValueError, match="already stepped by this wrapper"):
         mp.add_param_group({"params": [w]}, **({"optimizer": 0} if chain else {}))
     assert len(mp.master_params()) == 1 and len(mp.param_groups) == 1
+
+
+def test_an_optimizer_is_wrapped_once():
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    inner = SGD([w], lr=0.5)
+    MixedPrecisionOptimizer(inner)
+    with pytest.raises(ValueError, match="another MixedPrecisionOptimizer already wraps it"):
+        MixedPrecisionOptimizer(inner)
+
+
+@pytest.mark.parametrize("bad, words", [(lambda m: m.to(torch.bfloat16), "expected float32"),
+                                        (lambda m: m.double(), "expected float32"),
+                                        (lambda m: torch.full_like(m, float("nan")), "inf or NaN")])
+def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = MixedPrecisionOptimizer(SGD([w], lr=0.5))
+    w.grad = torch.ones_like(w)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["master_params"][0] = bad(saved["master_params"][0])
+    before = opt.master_params()[0].clone()
+    with pytest.raises(ValueError, match=words):
+        opt.load_state_dict(saved)
+    assert torch.equal(opt.master_params()[0], before)

@@ -44,6 +44,7 @@ Pinned sources: Megatron-LM core_r0.13.0 (``megatron/core/optimizer/optimizer.py
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -474,6 +475,10 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_opti
                "_optimizer_load_state_dict_post_hooks")
 
 
+#: The inner optimizers some MixedPrecisionOptimizer wraps (their groups hold its float32 masters).
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()
+
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Step a float16/bfloat16 model with an optimizer that updates float32 master weights.
 
@@ -544,8 +549,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``loss_scaler`` lacks ``scale``,
             ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool;
             ``state_dtype`` is not ``None`` or a float32/bfloat16/float16 dtype.
-        ValueError: the inner optimizer already has state; a float16 parameter without a loss scaler
-            (float16 needs scaling); a scale outside ``(0, FLOAT32_MAX]``; ``max_grad_norm <= 0``;
+        ValueError: the inner optimizer already has state or another wrapper wraps it; a float16 parameter
+            without a loss scaler (float16 needs scaling); a scale outside ``(0, FLOAT32_MAX]``; ``max_grad_norm <= 0``;
             ``check_for_nonfinite=False`` with a loss scaler. Each is raised before anything is changed.
     """
 
@@ -556,6 +561,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise TypeError(f"Invalid optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError("Invalid optimizer: it is already a MixedPrecisionOptimizer; wrap the inner one once")
+        if optimizer in _WRAPPED:   # its groups already hold another wrapper's masters: this one would own none
+            raise ValueError("Invalid optimizer: another MixedPrecisionOptimizer already wraps it; wrap an "
+                             "optimizer once")
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
                              "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
@@ -594,6 +602,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._own(self._pairs)
+        _WRAPPED.add(optimizer)
 
     def _own(self, pairs) -> None:
         """Register as the owner of the model parameters of ``pairs`` and record their versions."""
@@ -914,9 +923,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if not isinstance(saved, torch.Tensor) or saved.shape != master.shape:
                 raise ValueError(f"Invalid state_dict: master_params[{i}] has shape "
                                  f"{tuple(getattr(saved, 'shape', ()))}, expected {tuple(master.shape)}")
-            if not saved.is_floating_point():
+            if saved.dtype != torch.float32:   # a lower one would lose the masters' low bits, a higher one is
                 raise ValueError(f"Invalid state_dict: master_params[{i}] has dtype {saved.dtype}, expected "
-                                 "float32")
+                                 "float32")   # not what this wrapper saves
+            if not bool(torch.isfinite(saved).all()):
+                raise ValueError(f"Invalid state_dict: master_params[{i}] holds inf or NaN")
         members = _members(self.optimizer)
         params = [list(g["params"]) for g in self.param_groups]
         flat = [p for ps in params for p in ps]

@@ -137,7 +137,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"Invalid optimizers: a parameter of shape {tuple(p.shape)} is in two "
                                          "optimizers")
                     seen.add(id(p))
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                          or not isinstance(max_grad_norm, (int, float))):
             raise TypeError(f"Invalid max_grad_norm: expected a number > 0 or None, got {max_grad_norm!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: expected > 0 or None, got {max_grad_norm!r}")

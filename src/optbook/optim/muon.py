@@ -53,7 +53,9 @@ def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_sc
     """The factor multiplying the orthogonalised update of a ``(fan_out, fan_in)`` block.
 
     Raises:
-        ValueError: unknown ``scale_mode`` or a shape that is not 2-D.
+        ValueError: unknown ``scale_mode``, a shape that is not 2-D, or an ``extra_scale_factor`` that is not
+            finite.
+        TypeError: ``extra_scale_factor`` is not a real number.
     """
     if len(shape) != 2:
         raise ValueError(f"Invalid shape: expected (fan_out, fan_in), got {tuple(shape)}")
@@ -68,7 +70,7 @@ def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_sc
         s = 1.0
     else:
         raise ValueError(f"Invalid scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
-    return s * extra_scale_factor
+    return s * check_number("extra_scale_factor", extra_scale_factor)
 
 
 def split_rows(rows: int, head_split) -> list[int]:
