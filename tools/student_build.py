@@ -10,8 +10,8 @@ The book hides solutions in two forms, and both go:
 
 Everything else (exercises, text, the outputs of the remaining cells) is kept byte for byte, and the
 notebooks stay valid nbformat JSON. The copy goes to ``_build/student/src`` (configuration, table of
-contents, ``book/``, ``_static/``, ``_ext/``), where ``make student`` builds it into
-``_build/student/_build/html``; the notebooks there are the ones to hand out. Standard library only::
+contents, ``book/``, ``_static/``, ``_ext/``, the conformance table the appendix includes), where
+``make student`` builds it into ``_build/student/_build/html``; the notebooks there are the ones to hand out. Standard library only::
 
     python tools/student_build.py            # write _build/student/src, print what was removed
     python tools/student_build.py --check    # exit 1 if some chapter has exercises but nothing to remove
@@ -28,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "_build" / "student" / "src"
-COPY = ["_config.yml", "_toc.yml", "_static", "_ext"]
+COPY = ["_config.yml", "_toc.yml", "_static", "_ext",
+        "tests/conformance_table.md"]  # included by book/appendix_conformance.md
 
 # A fenced MyST admonition titled Solution, with a colon fence of 3+ colons, up to its closing fence.
 ADMONITION_RE = re.compile(r"(?ms)^(?P<fence>:{3,})\{admonition\}\s*Solutions?\b.*?^(?P=fence)[ \t]*\n?")
@@ -76,6 +77,7 @@ def build(out: Path = OUT) -> dict[str, int]:
         if src.is_dir():
             shutil.copytree(src, out / name)
         elif src.exists():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out / name)
     report = {}
     for path in sorted((ROOT / "book").iterdir()):
