@@ -771,9 +771,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Check the scale, an optbook inner optimizer's hyperparameters and every model gradient (shape,
         dtype, device; finite without a loss scaler) before anything is written; return the scale."""
         scale = self.loss_scale
-        from .optim import ChainedOptimizer
-
-        inner = self.optimizer.optimizers if isinstance(self.optimizer, ChainedOptimizer) else [self.optimizer]
+        inner = {id(m): m for m in _members(self.optimizer)}.values()   # a chain's members, once each
         for opt in inner:   # their hyperparameters (a scheduler may have set them), before the scaler moves
             if isinstance(opt, BookOptimizer):
                 for group in opt.param_groups:
