@@ -421,6 +421,54 @@ def test_a_nonfinite_gradient_raises_naming_the_parameter_before_any_write(name,
     assert not torch.equal(params[1].detach(), snap[0][1])
 
 
+@pytest.mark.parametrize("dtype, huge", [(torch.float32, 1e20), (torch.float32, 3e38), (torch.bfloat16, 1e30),
+                                         (torch.float64, 1e200)])
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_huge_finite_gradient_is_stepped_or_refused_before_any_write(name, foreach, dtype, huge):
+    # finite, but its square overflows: element-wise classes step (as torch.optim does: v becomes inf and
+    # the update 0); Shampoo and SOAP, whose G G^T would become inf and fail in eigh halfway through the
+    # step, refuse it before any write, naming the parameter
+    params = matrices(dtype=dtype)
+    opt = make(name, params, foreach)
+    drive(opt, params, 2)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, huge)
+        snap = snapshot(opt, params)
+        if name in ("Shampoo", "SOAP"):
+            with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[0\].*{name}'s statistics.*"
+                                                 r"nothing was written"):
+                opt.step()
+            assert_unchanged(opt, params, snap)
+        else:
+            assert opt.step() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_shampoo_and_soap_step_gradients_up_to_their_statistics_limit(name, dtype):
+    # ||G||_F^2 = 0.35 x the working dtype's largest value: stepped, everything stays finite; Shampoo, which
+    # sums G G^T (largest element, on the diagonal, 1/3 of ||G||_F^2 for these shapes and equal magnitudes),
+    # refuses the third step: 2/3 x 0.35 + 0.35 > 0.5, past half the range, before any write
+    params = matrices(dtype=dtype)
+    opt = make(name, params, **({"momentum": 0.0} if name == "Shampoo" else {}))
+    big = torch.finfo(torch.promote_types(dtype, torch.float32)).max
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        for p in params:
+            signs = torch.randn(p.shape, generator=g, dtype=torch.float64).sign()
+            p.grad = (signs * (0.35 * big / p.numel()) ** 0.5).to(dtype)
+        snap = snapshot(opt, params)
+        if name == "Shampoo" and step == 2:
+            with pytest.raises(ValueError, match=r"at most .* would overflow .* \(limit"):
+                opt.step()
+            assert_unchanged(opt, params, snap)
+            continue
+        opt.step()
+        held = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        assert all(bool(torch.isfinite(t).all()) for t in held + params)
+
+
 def _bad_dicts(name, saved):
     """(bad dict, error, words of the message) for one class's state dict of two (4, 3), (3, 5) matrices."""
     key = next(k for k, v in saved["state"][1].items() if torch.is_tensor(v) and v.ndim)

@@ -34,6 +34,11 @@ Non-finite gradients: one policy per kind of step
     * With a loss scaler: the step is skipped -- nothing but the scaler changes -- and reported:
       ``found_inf`` is ``True`` and ``skipped_steps`` grows (``torch.amp.GradScaler.step``; Megatron-LM's
       ``MixedPrecisionOptimizer.step``).
+    * A finite gradient whose square overflows (``||G||_F^2`` beyond the working dtype): element-wise
+      classes step it, as ``torch.optim`` does (Adam's ``v`` becomes ``inf``, its update 0); Shampoo and SOAP,
+      whose ``G G^T`` statistics would become ``inf`` and make the eigendecomposition fail halfway through the
+      step, raise a ``ValueError`` naming the parameter before any write
+      (:func:`optbook.optim.optimizer.check_statistics_range`).
 
 What ``step()`` returns and reports
     ``step(closure=None)`` returns the closure's loss or ``None``, as ``torch.optim.Optimizer.step``. Every

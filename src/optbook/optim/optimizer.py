@@ -122,6 +122,42 @@ def raise_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
     raise NonFiniteGradientError("Non-finite gradient: nothing was written")  # pragma: no cover - a race
 
 
+def check_statistics_range(optimizer_name: str, named: list[tuple[str, torch.Tensor]],
+                           carried: list[torch.Tensor]) -> None:
+    """Refuse, before any write, a finite gradient that would overflow ``G G^T``/``G^T G`` statistics.
+
+    Every element of ``G G^T`` and ``G^T G`` -- and every partial sum of the matrix product forming it --
+    is at most ``||G||_F^2`` in magnitude (Cauchy–Schwarz), so statistics that hold at most ``c`` in
+    magnitude and take ``G G^T`` in as a sum or an EMA (Shampoo's ``L``, ``R``; SOAP's ``L``, ``R`` and its
+    rotated second moment) stay finite in their working dtype when ``c + ||G||_F^2`` is at most half of
+    that dtype's largest value (half: headroom for rounding). Past that, the statistics become ``inf`` and
+    the next eigendecomposition fails -- in the middle of a step, after other parameters were written.
+
+    Args:
+        optimizer_name: the class, for the message.
+        named: ``(name, param)`` pairs; each ``param.grad`` a finite tensor, float16/bfloat16/float32/float64.
+        carried: for each pair, a 0-dim tensor bounding the magnitude of what the statistics hold now (on the
+            gradient's device; ``0`` when they are overwritten or averaged).
+
+    Raises:
+        ValueError: names the first parameter, its gradient's ``||G||_F^2`` and the limit of its working dtype
+            (float32 for float16/bfloat16/float32 parameters, float64 for float64 ones).
+    """
+    device = named[0][1].grad.device
+    bounds = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64).square().to(device)
+                          + c.to(device=device, dtype=torch.float64) for (_, p), c in zip(named, carried)])
+    for (where, p), bound in zip(named, bounds.tolist()):   # one synchronisation for the group
+        work = torch.promote_types(p.dtype, torch.float32)
+        limit = torch.finfo(work).max / 2
+        if not bound <= limit:
+            square = float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
+            raise ValueError(
+                f"Invalid gradient in {where} (shape {tuple(p.shape)}): ||G||_F^2 = {square:.3g}, so "
+                f"{optimizer_name}'s statistics (G G^T accumulated, at most {bound:.3g} in magnitude) would "
+                f"overflow {str(work).removeprefix('torch.')} (limit {limit:.3g}); nothing was written. Scale the "
+                "loss down, or clip the gradient first (optbook.clipping.clip_grad_norm_)")
+
+
 @contextlib.contextmanager
 def nonfinite_checked_by_caller(optimizers):
     """Within the block, ``step()`` of each optbook optimizer in ``optimizers`` skips its own
@@ -370,18 +406,32 @@ class BookOptimizer(torch.optim.Optimizer):
             NonFiniteGradientError: a gradient holds ``inf`` or ``NaN`` (named by group and index).
             ValueError, TypeError: an invalid hyperparameter or gradient (shape, dtype, device, layout).
         """
-        checked = []
+        checked, by_group = [], []
         for gi, group in enumerate(self.param_groups):
             self._check_hyperparameters(group)
+            named = []
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
                 check_grad(p, where)
                 if p.numel():
-                    checked.append((where, p))
+                    named.append((where, p))
+            checked += named
+            by_group.append((group, named))
         if self.refuse_nonfinite_grads and checked and not all_finite([p.grad for _, p in checked]):
             raise_nonfinite(checked)
+        for group, named in by_group:
+            if named:
+                self._check_gradients(group, named)
+
+    def _check_gradients(self, group: dict, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Class-specific checks of one group's finite gradients, run by :meth:`_validate` before any write.
+
+        ``named``: the group's ``(name, param)`` pairs with a non-empty gradient. The default checks
+        nothing; Shampoo and SOAP refuse a gradient that would overflow their statistics
+        (:func:`check_statistics_range`).
+        """
 
     @torch.no_grad()
     def step(self, closure=None):

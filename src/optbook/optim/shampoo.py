@@ -24,7 +24,7 @@ import torch
 
 from ._validation import MATRIX_HINT, check_lr, check_number, check_precondition_frequency, check_weight_decay
 from ._functional import LOW_PRECISION
-from .optimizer import BookOptimizer
+from .optimizer import BookOptimizer, check_statistics_range
 
 __all__ = ["Shampoo", "inverse_root", "shampoo"]
 
@@ -93,7 +93,8 @@ class Shampoo(BookOptimizer):
 
     Raises:
         ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
-            non-finite gradient (before anything changes).
+            non-finite gradient, or a finite one so large that ``L`` or ``R`` would overflow their dtype
+            (before anything changes).
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
@@ -115,6 +116,16 @@ class Shampoo(BookOptimizer):
         check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
         check_precondition_frequency(group["precondition_frequency"])
         check_weight_decay(group["weight_decay"])
+
+    def _check_gradients(self, group: dict, named: list) -> None:
+        # L <- beta2 L + G G^T (or eps I + G G^T): at most max(|L|, |R|, eps) + ||G||_F^2 with beta2 <= 1
+        eps = torch.tensor(float(group["eps"]), dtype=torch.float64)
+        carried = []
+        for _, p in named:
+            state = self.state.get(p, {})
+            held = [state[k].abs().max().double().cpu() for k in ("L", "R") if k in state]
+            carried.append(torch.stack([eps, *held]).max())
+        check_statistics_range("Shampoo", named, carried)
 
     def _expected_state(self, p, group):
         (m, n), work = p.shape, torch.promote_types(p.dtype, torch.float32)

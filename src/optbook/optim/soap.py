@@ -32,7 +32,7 @@ import torch
 from ._validation import (MATRIX_HINT, check_betas, check_eps, check_lr, check_number, check_precondition_frequency,
                           check_weight_decay)
 from ._functional import in_float32, write_back
-from .optimizer import BookOptimizer
+from .optimizer import BookOptimizer, check_statistics_range
 
 __all__ = ["SOAP", "eigenbasis", "slot_order", "soap"]
 
@@ -116,7 +116,8 @@ class SOAP(BookOptimizer):
 
     Raises:
         ValueError: a parameter that is not 2-D (names its shape), bad hyperparameters, a
-            non-finite gradient (before anything changes).
+            non-finite gradient, or a finite one so large that ``L``, ``R`` or ``exp_avg_sq`` would
+            overflow their dtype (before anything changes).
         TypeError: as for every optimizer of :mod:`optbook.optim`.
     """
 
@@ -143,6 +144,10 @@ class SOAP(BookOptimizer):
         check_eps(group["eps"])
         check_precondition_frequency(group["precondition_frequency"])
         check_weight_decay(group["weight_decay"])
+
+    def _check_gradients(self, group: dict, named: list) -> None:
+        # L, R and the rotated second moment are overwritten or averaged (lerp) with terms <= ||G||_F^2
+        check_statistics_range("SOAP", named, [torch.zeros((), dtype=torch.float64)] * len(named))
 
     def _expected_state(self, p, group):
         (m, n), work = p.shape, torch.promote_types(p.dtype, torch.float32)
