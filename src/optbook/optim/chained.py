@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 import torch
 
@@ -283,14 +284,27 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def _split_state_dict(self, state_dict: dict) -> list[dict]:
         """One state dict per member (parameter indices renumbered from 0), from a checked chain dict."""
-        groups, state, start, members = state_dict["param_groups"], state_dict["state"], 0, []
+        return [part for part, _ in self._member_parts(state_dict)]
+
+    def _member_parts(self, state_dict: dict) -> list[tuple[dict, Callable[[str], str]]]:
+        """For each member: its part of a layout-checked chain dict (parameter indices renumbered from 0)
+        and a function that rewrites a message about the part (``state[i]``, ``param_groups[g]``) into the
+        chain dict's own indices, so that an error names what the caller passed."""
+        groups, state, start, parts = state_dict["param_groups"], state_dict["state"], 0, []
         for n in self._layout():
-            mine = groups[start:start + n]
+            mine, first = groups[start:start + n], start
             start += n
             renumber = {old: new for new, old in enumerate(i for g in mine for i in g["params"])}
-            members.append({"state": {renumber[i]: s for i, s in state.items() if i in renumber},
-                            "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]})
-        return members
+            back = {new: old for old, new in renumber.items()}
+
+            def in_chain_terms(message: str, back=back, first=first) -> str:
+                message = re.sub(r"\bstate\[(\d+)\]", lambda m: f"state[{back.get(int(m[1]), m[1])}]", message)
+                return re.sub(r"\bparam_groups\[(\d+)\]", lambda m: f"param_groups[{int(m[1]) + first}]", message)
+
+            parts.append(({"state": {renumber[i]: s for i, s in state.items() if i in renumber},
+                           "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]},
+                          in_chain_terms))
+        return parts
 
     def check_state_dict(self, state_dict) -> None:
         """Check that ``state_dict`` fits the whole chain, writing nothing (:meth:`load_state_dict` calls it).
@@ -306,7 +320,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         check_state_layout(self.param_groups, state_dict)
         own = state_dict.get("members", {})
-        for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
+        for k, (opt, (part, in_chain_terms)) in enumerate(zip(self.optimizers, self._member_parts(state_dict))):
             try:
                 if _own_format(opt):  # a wrapper member: its own dict, saved whole under "members"
                     if k not in own:
@@ -321,7 +335,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     check_state_layout(opt.param_groups, part)
                     _check_like_current(opt, part)
             except (TypeError, ValueError) as e:
-                raise type(e)(f"{e} (member {k}, {type(opt).__name__}, of the chain)") from e
+                # a wrapper member's own dict keeps its own indices; a part's indices are the chain dict's
+                message = str(e) if _own_format(opt) else in_chain_terms(str(e))
+                raise type(e)(f"{message} (member {k}, {type(opt).__name__}, of the chain)") from e
 
     @torch._disable_dynamo
     def state_dict(self) -> dict:
