@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optbook.data import ill_conditioned_quadratic, load_digits
+from optbook.data import associative_recall, copy_task, ill_conditioned_quadratic, load_digits
 from optbook.models import MLP, LogisticRegression
 from optbook.optim import AdamW
 from optbook.runtime import seed_everything
@@ -81,3 +81,16 @@ def test_train_copy_task_is_repeatable_clips_and_rejects_bad_input():
     assert len(report) == 8 and torch.equal(w, model.layers[0].attn.q_proj.weight)  # tau = 1e-3 clips every head
     _, adamw_log = train_copy_task("AdamW", 0, torch.Generator().manual_seed(1), steps=2, n_kv_heads=2)
     assert adamw_log.extras == [(None, None), (None, None)]
+
+
+@pytest.mark.parametrize("task, args, error, name", [
+    (copy_task, (2, 8.0, 10), TypeError, "seq_len"), (copy_task, (2, 8, 10.0), TypeError, "vocab_size"),
+    (copy_task, (True, 8, 10), TypeError, "batch_size"), (copy_task, (0, 8, 10), ValueError, "batch_size"),
+    (copy_task, (2, 7, 10), ValueError, "seq_len"), (copy_task, (2, 8, 1), ValueError, "vocab_size"),
+    (associative_recall, (2, 3.0, 10), TypeError, "n_pairs"), (associative_recall, (0, 3, 10), ValueError, "batch_size"),
+    (associative_recall, (2, 3, 3), ValueError, "vocab_size"), (associative_recall, (2, 6, 10), ValueError, "n_pairs")])
+def test_sequence_tasks_name_a_bad_argument(task, args, error, name):
+    with pytest.raises(error, match=f"Invalid {name}"):
+        task(*args)
+    good = copy_task(2, 8, 10) if task is copy_task else associative_recall(2, 3, 10)
+    assert good[0].dtype == torch.int64 and good[0].shape == good[1].shape

@@ -104,6 +104,11 @@ def test_gqa_unequal_blocks_and_bad_splits():
         Muon([{"params": [torch.zeros(10, 4)], "head_split": 3}])
     with pytest.raises(ValueError, match="head_split"):
         Muon([{"params": [torch.zeros(10, 4)], "head_split": (4, 4)}])
+    # row counts must be integers: a float used to be truncated (2.5 -> 2) without a word
+    assert split_rows(6, [torch.tensor(3), 3]) == [3, 3]
+    for bad in ((2.5, 3.5), (2.0, 4.0), (True, 5), "ab"):
+        with pytest.raises(TypeError, match="head_split"):
+            split_rows(6, bad)
 
 
 def test_non_matrix_parameter_is_refused_with_its_shape_and_the_routing_hint():

@@ -14,6 +14,8 @@ from sklearn.datasets import load_digits as _sk_load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
+from .optim._validation import check_int
+
 __all__ = ["Digits", "load_digits", "Quadratic", "ill_conditioned_quadratic", "IGNORE_INDEX", "copy_task",
            "associative_recall", "markov_chain", "sample_markov", "markov_entropy"]
 
@@ -136,12 +138,13 @@ def copy_task(batch_size: int, seq_len: int, vocab_size: int, *, generator: torc
     copy reaches zero loss; one that has not sits at ``log(vocab_size)``.
 
     Raises:
-        ValueError: ``seq_len`` odd or < 4, ``vocab_size < 2``, ``batch_size < 1``.
+        TypeError: an argument is not an int (named).
+        ValueError: ``seq_len`` odd or < 4, ``vocab_size < 2``, ``batch_size < 1`` (named).
     """
-    if seq_len < 4 or seq_len % 2:
+    check_int("batch_size", batch_size, 1)
+    check_int("vocab_size", vocab_size, 2)
+    if check_int("seq_len", seq_len, 4) % 2:
         raise ValueError(f"Invalid seq_len: expected an even number >= 4, got {seq_len!r}")
-    if vocab_size < 2 or batch_size < 1:
-        raise ValueError(f"Invalid vocab_size/batch_size: got {vocab_size!r}, {batch_size!r}")
     half = seq_len // 2
     first = torch.randint(0, vocab_size, (batch_size, half), generator=generator)
     seq = torch.cat([first, first], dim=1)
@@ -161,10 +164,13 @@ def associative_recall(batch_size: int, n_pairs: int, vocab_size: int, *, genera
     scored (its target is the queried value), every other target is :data:`IGNORE_INDEX`.
 
     Raises:
-        ValueError: ``vocab_size < 4`` or fewer than ``n_pairs`` distinct keys available.
+        TypeError: an argument is not an int (named).
+        ValueError: ``batch_size < 1``, ``vocab_size < 4`` or fewer than ``n_pairs`` distinct keys available.
     """
-    half = vocab_size // 2
-    if vocab_size < 4 or n_pairs < 1 or n_pairs > half:
+    check_int("batch_size", batch_size, 1)
+    check_int("n_pairs", n_pairs, 1)
+    half = check_int("vocab_size", vocab_size, 4) // 2
+    if n_pairs > half:
         raise ValueError(f"Invalid n_pairs/vocab_size: need 1 <= n_pairs <= vocab_size // 2, got {n_pairs!r}, "
                          f"{vocab_size!r}")
     keys = torch.rand(batch_size, half, generator=generator).argsort(dim=1)[:, :n_pairs]

@@ -22,6 +22,7 @@ RMS->RMS steepest-descent scale), ``"none"`` 1.
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -90,10 +91,12 @@ def split_rows(rows: int, head_split) -> list[int]:
         if head_split < 1 or rows % head_split:
             raise ValueError(f"Invalid head_split: {head_split} heads do not divide the {rows} rows")
         return [rows // head_split] * head_split
-    try:
-        sizes = [int(s) for s in head_split]
-    except (TypeError, ValueError):
-        raise TypeError(f"Invalid head_split: expected None, an int or a sequence of row counts, "
+    try:   # operator.index: an int (or an integer tensor/array scalar), never a float truncated
+        sizes = [operator.index(s) for s in head_split]
+        if any(isinstance(s, bool) for s in head_split):
+            raise TypeError
+    except TypeError:
+        raise TypeError(f"Invalid head_split: expected None, an int or a sequence of integer row counts, "
                         f"got {head_split!r}") from None
     if any(s < 1 for s in sizes) or sum(sizes) != rows:
         raise ValueError(f"Invalid head_split: block sizes {sizes} must be positive and sum to the {rows} rows")
