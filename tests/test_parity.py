@@ -63,6 +63,27 @@ def test_adam_family_equals_torch(ours_cls, torch_cls, foreach):
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"], rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("shapes", [[(200, 200)], [(3, 4), (5,)], [(200, 200), (3, 4)]],
+                         ids=["only-large", "only-small", "both"])
+@pytest.mark.parametrize("ours_cls, torch_cls", [(Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)])
+def test_adam_loop_path_with_tensors_on_either_side_of_the_batching_threshold_equals_torch(ours_cls, torch_cls,
+                                                                                           shapes):
+    # the CPU loop path batches tensors under 32768 elements through the foreach kernels and walks the
+    # others; a group with none of one kind must work too
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.randn(s, generator=g, dtype=torch.float64).requires_grad_() for s in shapes]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = ours_cls(ours, lr=1e-2, weight_decay=0.1, foreach=False)
+    torch_opt = torch_cls(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(5):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        opt.step()
+        torch_opt.step()
+    assert max_diff(ours, ref) <= TOL
+
+
 def test_parameters_without_grad_are_skipped_like_torch():
     ours, ref = make_params(), make_params()
     opt, torch_opt = AdamW(ours, lr=0.1, weight_decay=0.5), torch.optim.AdamW(ref, lr=0.1, weight_decay=0.5)

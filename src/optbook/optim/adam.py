@@ -80,24 +80,27 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         grads = torch._foreach_neg(grads)
     c1 = [1 - beta1 ** t for t in steps]
     c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
-    if weight_decay and decoupled_weight_decay:
-        if foreach:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        else:
-            for p in params:
-                p.mul_(1 - lr * weight_decay)
-    elif weight_decay:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-
     if foreach:
         everything = range(len(params))
     else:  # tensors too small for an intra-op thread pool go together through the foreach kernels:
         # the same kernels one tensor at a time, bitwise the same, with one Python call per op
         everything = [i for i, p in enumerate(params) if p.numel() < _SMALL]
+
+    def pick(xs):
+        return [xs[i] for i in everything]
+    ps = pick(params)
+    if weight_decay and decoupled_weight_decay:
+        if ps:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        if not foreach:
+            for i, p in enumerate(params):
+                if p.numel() >= _SMALL:
+                    p.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+
     if everything:
-        def pick(xs):
-            return [xs[i] for i in everything]
-        ps, gs, ms, vs = pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
+        gs, ms, vs = pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
         torch._foreach_lerp_(ms, gs, 1 - beta1)
         torch._foreach_mul_(vs, beta2)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
