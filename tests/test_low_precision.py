@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optbook.optim import SGD, SOAP, Adam, AdamW, Shampoo
+from optbook.optim import SGD, SOAP, Adafactor, Adam, AdamW, Shampoo
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -71,3 +71,37 @@ def test_shampoo_and_soap_keep_statistics_and_bases_in_float32(cls, kw, dtype):
         Q = state["Q_L"].double()
         assert float((Q.mT @ Q - torch.eye(6, dtype=torch.float64)).abs().max()) < 1e-5
     assert W.dtype == dtype and torch.isfinite(W).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 6), (2, 8, 6), (6,)], ids=["matrix", "batch", "vector"])
+def test_adafactor_keeps_statistics_in_float32_and_rounds_the_parameter_once(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    # the float32 twin: same start, the parameter rounded to dtype after every step, as ours rounds it
+    twin = p.detach().float().requires_grad_()
+    kw = dict(lr=1e-2, weight_decay=0.1, eps=(torch.finfo(dtype).eps, 1e-3))
+    opt, ref = Adafactor([p], **kw), Adafactor([twin], **kw)
+    for scale in (1.0, 300.0, 1.0):   # 300**2 = 90000 > float16's 65504
+        grad = (torch.randn(shape, generator=g) * scale).to(dtype)
+        p.grad, twin.grad = grad, grad.float()
+        opt.step()
+        ref.step()
+        with torch.no_grad():
+            twin.copy_(twin.to(dtype))
+        assert torch.equal(p.detach(), twin.detach().to(dtype))
+    assert all(v.dtype == torch.float32 for v in opt.state[p].values() if torch.is_tensor(v))
+    assert torch.isfinite(p).all()
+
+
+def test_torch_adafactor_writes_nan_for_a_float16_gradient_whose_square_overflows():
+    # what the float32 statistics avoid (torch 2.13 keeps them in the parameter's dtype)
+    p = torch.ones(8, 6, dtype=torch.float16, requires_grad=True)
+    opt = torch.optim.Adafactor([p], lr=1e-2)
+    p.grad = torch.full_like(p, 300.0)
+    opt.step()
+    assert opt.state[p]["row_var"].dtype == torch.float16 and torch.isnan(p).all()
+    ours = torch.ones(8, 6, dtype=torch.float16, requires_grad=True)
+    ours.grad = torch.full_like(ours, 300.0)
+    Adafactor([ours], lr=1e-2).step()
+    assert torch.isfinite(ours).all() and not torch.equal(ours.detach(), torch.ones(8, 6, dtype=torch.float16))

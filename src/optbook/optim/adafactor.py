@@ -19,12 +19,19 @@ A 0-D or 1-D gradient keeps an unfactored EMA ``v`` of ``G*G`` (Algorithm 5). Me
 (``G*G = a b^T``), the factored estimate equals the full second moment (chapter 4 shows it).
 The paper adds ``eps1`` to ``G*G`` instead of clamping ``V``; the difference matters only for
 gradients below ``eps1``.
+
+For a float16/bfloat16 parameter the statistics ``r``, ``c`` (``v``) are float32 (``m + n`` numbers: no
+memory to save) and the step is computed in float32 and rounded back once; ``eps1`` stays the parameter
+dtype's epsilon. ``torch.optim.Adafactor`` (torch 2.13, ``torch/optim/_adafactor.py``) keeps them in the
+parameter's dtype: in float16 a gradient entry of 256 already squares past 65504, and ``G*G``'s mean, then
+the weights, become NaN (``tests/test_low_precision.py`` shows both).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._functional import in_float32, write_back
 from ._validation import check_lr, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -40,14 +47,16 @@ def adafactor(params: list[torch.Tensor], grads: list[torch.Tensor], row_vars: l
     Args:
         params, grads: lists of equal-shape tensors, one entry per parameter.
         row_vars, col_vars: for a factored parameter ``(..., m, n)`` its row ``(..., m, 1)`` and column
-            ``(..., 1, n)`` EMAs, else ``None``; updated in place.
+            ``(..., 1, n)`` EMAs, else ``None``; updated in place (float32 for a float16/bfloat16 parameter).
         variances: for a 0-D/1-D parameter its unfactored EMA (its shape), else ``None``; updated in place.
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
         lr, beta2_decay, eps1, eps2, d, weight_decay: as in :class:`Adafactor` (``eps1=None``: the
             parameter dtype's machine epsilon); not re-validated here.
     """
-    for p, g, r, c, v, t in zip(params, grads, row_vars, col_vars, variances, steps):
-        e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+    for p0, g, r, c, v, t in zip(params, grads, row_vars, col_vars, variances, steps):
+        e1 = torch.finfo(p0.dtype).eps if eps1 is None else eps1
+        (p,) = in_float32([p0])   # float32 work for float16/bfloat16, rounded back once
+        g = g.to(p.dtype)
         one_minus_beta2 = t ** beta2_decay
         alpha = max(eps2, float(p.norm()) / p.numel() ** 0.5) * min(lr, t ** -0.5)
         if weight_decay:
@@ -63,6 +72,7 @@ def adafactor(params: list[torch.Tensor], grads: list[torch.Tensor], row_vars: l
         U = V.clamp_(min=e1 * e1).rsqrt_().mul_(g)
         clip = max(1.0, float(U.norm()) / (U.numel() ** 0.5 * d))
         p.sub_(U, alpha=alpha / clip)
+        write_back([p0], [p])
 
 
 class Adafactor(BookOptimizer):
@@ -80,7 +90,8 @@ class Adafactor(BookOptimizer):
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
 
     State per parameter: ``step`` (int); ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 1, n)`` for
-    factored tensors, ``variance`` (parameter's shape) otherwise.
+    factored tensors, ``variance`` (parameter's shape) otherwise; in the parameter's dtype, float32 for a
+    float16/bfloat16 parameter (whose step is computed in float32 and rounded back once).
 
     Raises:
         ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
@@ -107,10 +118,11 @@ class Adafactor(BookOptimizer):
         check_weight_decay(group["weight_decay"])
 
     def _expected_state(self, p, group):
+        work = torch.promote_types(p.dtype, torch.float32)   # statistics never in float16/bfloat16
         if p.ndim >= 2:
-            return {"row_var": ((*p.shape[:-1], 1), p.dtype, True),
-                    "col_var": ((*p.shape[:-2], 1, p.shape[-1]), p.dtype, True)}
-        return {"variance": (tuple(p.shape), p.dtype, True)}
+            return {"row_var": ((*p.shape[:-1], 1), work, True),
+                    "col_var": ((*p.shape[:-2], 1, p.shape[-1]), work, True)}
+        return {"variance": (tuple(p.shape), work, True)}
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -118,11 +130,12 @@ class Adafactor(BookOptimizer):
             state = self.state[p]
             if not state:
                 state["step"] = 0
+                work = torch.promote_types(p.dtype, torch.float32)   # statistics never in float16/bfloat16
                 if p.ndim >= 2:  # factored
-                    state["row_var"] = p.new_zeros(*p.shape[:-1], 1)
-                    state["col_var"] = p.new_zeros(*p.shape[:-2], 1, p.shape[-1])
+                    state["row_var"] = p.new_zeros(*p.shape[:-1], 1, dtype=work)
+                    state["col_var"] = p.new_zeros(*p.shape[:-2], 1, p.shape[-1], dtype=work)
                 else:
-                    state["variance"] = torch.zeros_like(p)
+                    state["variance"] = torch.zeros_like(p, dtype=work)
             state["step"] += 1
         states = [self.state[p] for p in params]
         eps1, eps2 = group["eps"]
