@@ -43,6 +43,31 @@ def test_tensor_step_count_and_lr_give_the_eager_functional_step(decoupled, amsg
             torch.testing.assert_close(b, a, rtol=0, atol=1e-15)
 
 
+def test_what_torch_compile_does_with_python_numbers_that_change():
+    # the statement of optbook.optim.compiled's docstring and chapter 15, checked against the installed
+    # torch (Dynamo only, backend="eager"): a Python int step count and float lr are constants of the
+    # first graph; their first change compiles once more with them as inputs; later values reuse it.
+    # Passed as tensors, one graph serves every step from the first.
+    from torch._dynamo.testing import CompileCounter
+
+    def update(p, m, lr, t):
+        return p - lr * m / (1 - 0.9 ** t)
+
+    p, m = torch.randn(4), torch.randn(4)
+    for as_tensors, graphs in ((False, 2), (True, 1)):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        step = torch.compile(update, backend=counter)
+        for t in range(1, 7):
+            lr = 0.01 * t
+            if as_tensors:
+                step(p, m, torch.tensor(lr), torch.tensor(float(t)))
+            else:
+                step(p, m, lr, t)
+        assert counter.frame_count == graphs
+    torch._dynamo.reset()
+
+
 def test_compiled_step_refuses_an_optimizer_it_does_not_know():
     with pytest.raises(TypeError, match="Invalid optimizer: compiled_step supports"):
         compiled_step(SGD([torch.zeros(2, requires_grad=True)], lr=0.1))

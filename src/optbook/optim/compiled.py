@@ -2,12 +2,16 @@
 
 Why a separate path. :func:`optbook.optim.adam` takes the step count ``t`` as a Python ``int`` and
 ``lr`` as a Python ``float`` and folds them into Python scalars (``lr * c2 / c1``). Under
-``torch.compile`` every Python number is a constant of the captured graph, guarded by value: a graph
-compiled at ``t = 1`` fails its guard at ``t = 2`` and is compiled again, every step (and again for
-every new learning rate of a schedule), until Dynamo's recompile limit makes it give up and run eagerly.
-The cure, as in ``torch.optim``'s ``capturable=True``, is to pass the numbers that change from step to
-step as tensors: here a float64 tensor of step counts (one per parameter) and a 0-d float64 ``lr``.
-Their *values* are data, not constants, so one graph serves every step.
+``torch.compile`` a Python number is at first a constant of the captured graph, guarded by value: a
+graph compiled at ``t = 1`` fails its guard at ``t = 2``. PyTorch 2.13's defaults then compile once more
+with the number as an input (``torch/_dynamo/config.py``: ``specialize_float=False``,
+``automatic_dynamic_shapes=True``; an int becomes a symbolic integer, a float a float64 scalar tensor),
+and later values reuse that graph. Under CUDA graphs (``mode="reduce-overhead"``) floats stay constants
+(``torch/_dynamo/variables/builder.py``): every new learning rate of a schedule compiles again, until
+Dynamo's ``recompile_limit`` (8) makes it give up and run eagerly, without an error. Passing the numbers
+that change from step to step as tensors avoids both, as ``torch.optim``'s ``capturable=True`` does: here
+a float64 tensor of step counts (one per parameter) and a 0-d float64 ``lr``. Their *values* are data,
+not constants, so one graph serves every step from the first.
 
 :func:`adam_tensor` is the same update as :func:`optbook.optim.adam` (AdamW's decoupled decay, or
 Adam's L2; AMSGrad; maximize; float16/bfloat16 parameters computed in float32 and rounded back once),
@@ -278,8 +282,9 @@ def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
 
     What is compiled is :func:`optbook.optim.muon` itself: the momentum lerps, the stacking of equal
     shapes, each batched :func:`optbook.newton_schulz` call and the scaled update, with ``lr`` passed as
-    a 0-d float32 tensor (a Python float would be a constant of the graph, guarded by value: one
-    recompile per learning rate). What still recompiles: a change of the other hyperparameters (Python
+    a 0-d float32 tensor (a Python float would be a constant of the graph at first: one recompile when it
+    first changes, and one per learning rate under CUDA graphs; see the module's docstring). What still
+    recompiles: a change of the other hyperparameters (Python
     constants of the graph), of the set of parameters that have a gradient, or of their shapes and
     dtypes. Validation and state initialisation are the optimizer's own, eager, before anything is
     written. ``gram="symmetric"`` (Triton kernels) is not supported here.
