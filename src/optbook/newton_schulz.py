@@ -71,8 +71,9 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
     (``"quintic"``: [0.475, 1.145]). Its last triple's fixed point is about 1.035, not 1, so extra
     steps tighten the band around 1.035 (12 steps: about [1.025, 1.048] for inputs down to 1e-2).
 
-    Pitfall: cycling back to the first triple (``schedule[i % len(schedule)]``, what Megatron-LM's
-    ``newton_schulz`` does for ``steps`` beyond the quintic schedule's five) restarts the aggressive
+    Pitfall: cycling back to the first triple (``schedule[i % len(schedule)]``, what NVIDIA-NeMo/
+    Emerging-Optimizers' ``newton_schulz``, which Megatron-LM's Muon calls, does for ``steps`` beyond the
+    quintic schedule's five: ``iter_mode = "cycle"`` at commit a045ea1, ``muon_utils.py``) restarts the aggressive
     opening polynomials on an iterate whose singular values are already near 1. The first quintic
     triple maps 1 to ``4.0848 - 6.8946 + 2.9270 = 0.117``, so ``"quintic"`` with ``steps=6`` ends with
     singular values of 0.07-0.14 instead of about 1. The closing triples are built to keep values near

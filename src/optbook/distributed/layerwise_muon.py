@@ -10,9 +10,11 @@ boundaries) cannot step Muon shard by shard. Two ways out:
   all-reduce, as ``DistributedDataParallel``); the owner of a matrix keeps its momentum and runs the Muon
   step on it (the functional core :func:`optbook.optim.muon`); the updated matrices are all-gathered so
   every rank holds the same parameters. This is Megatron-LM's ``LayerWiseDistributedOptimizer``
-  (``megatron/core/optimizer/layer_wise_optimizer.py``: "legacy" path, gradients all-reduced, parameters
-  all-gathered with variable sizes; LPT packing by ``max(m, n) * min(m, n)**2``) and the ownership DeepSeek-V4
-  describes (whole logical matrices assigned to ranks).
+  (``megatron/core/optimizer/layer_wise_optimizer.py``, core_v0.16.0: gradients all-reduced, parameters
+  all-gathered with variable sizes; its owners are assigned by element count, ping-pong over the ranks in
+  order of size; core_v0.19.0's shard-aligned path packs by element count with LPT, and only Megatron-LM's
+  main branch since commit 85344907be, PR #6379, after core_v0.19.0, packs by the ``max(m, n) * min(m, n)**2``
+  used here) and the ownership DeepSeek-V4 describes (whole logical matrices assigned to ranks).
 * :class:`DistributedMuon` (:mod:`optbook.distributed.distributed_muon`) -- **Moonlight's distributed
   Muon** (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982, section 2.3 and
   Algorithm 1): the ZeRO-1 layout of
@@ -73,8 +75,9 @@ def ns_cost(shape, head_split=None) -> int:
     """Newton–Schulz cost model of one ``(m, n)`` matrix: ``max(m, n) * min(m, n)**2`` (multiply-adds per
     iteration up to a constant: the Gram ``X X^T`` of the wide orientation is ``min**2 * max``, and so are
     the products with it). With ``head_split`` (:func:`optbook.optim.muon.split_rows`) the blocks are
-    orthogonalised separately and their costs add up. Source: Megatron-LM
-    ``layer_wise_optimizer.py`` (its bin-packing weight).
+    orthogonalised separately and their costs add up. Source: Megatron-LM ``layer_wise_optimizer.py``
+    ``_ns_compute_cost`` (main branch, commit 85344907be, PR #6379; releases up to core_v0.19.0 pack by
+    element count).
 
     Raises:
         ValueError: ``shape`` is not 2-D, or ``head_split`` does not tile the rows.
