@@ -469,6 +469,34 @@ def test_shampoo_and_soap_step_gradients_up_to_their_statistics_limit(name, dtyp
         assert all(bool(torch.isfinite(t).all()) for t in held + params)
 
 
+@pytest.mark.parametrize("name, foreach", CASES, ids=CASE_IDS)
+def test_a_parameter_listed_twice_in_a_group_is_refused(name, foreach):
+    # torch.optim only warns; stepped twice by some classes, once by others, and the wrappers (one copy per
+    # entry) disagreed with the optimizer they wrap
+    W, V = matrices()
+    with pytest.raises(ValueError, match=r"parameter 2 \(shape \(4, 3\)\) is the same tensor as parameter 0"):
+        make(name, [W, V, W], foreach)
+    opt = make(name, [W], foreach)
+    with pytest.raises(ValueError, match="same tensor"):
+        opt.add_param_group({"params": [V, V]})
+    assert len(opt.param_groups) == 1
+
+
+def test_wrappers_refuse_a_parameter_listed_twice_by_a_torch_optimizer():
+    import warnings
+
+    from optbook.memory import OffloadOptimizer
+    from optbook.precision import MixedPrecisionOptimizer
+
+    W = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's own "duplicate parameters" warning
+        with pytest.raises(ValueError, match=r"same tensor as parameter 0.*param_groups\[0\]"):
+            MixedPrecisionOptimizer(torch.optim.AdamW([W, W]))
+        with pytest.raises(ValueError, match="same tensor as parameter 0"):
+            OffloadOptimizer([W, W], torch.optim.AdamW, lr=0.1)
+
+
 def _bad_dicts(name, saved):
     """(bad dict, error, words of the message) for one class's state dict of two (4, 3), (3, 5) matrices."""
     key = next(k for k, v in saved["state"][1].items() if torch.is_tensor(v) and v.ndim)

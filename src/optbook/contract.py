@@ -220,8 +220,16 @@ def checked_param_groups(optimizer_class, params, defaults: dict) -> tuple[list[
     hyperparameters and parameters (raising its own ``TypeError``/``ValueError`` before the wrapper changes
     anything) and fills every group's missing options from its defaults. Returns ``(param_groups,
     defaults)`` of that instance, the parameters themselves (not copies) in the groups.
+
+    Raises:
+        TypeError, ValueError: what ``optimizer_class`` raises; a parameter listed twice in a group
+            (:func:`optbook.optim._validation.check_params`).
     """
+    from .optim._validation import check_params   # optbook.optim imports this module
+
     template = optimizer_class(params, **defaults)
+    for group in template.param_groups:   # torch.optim only warns about a parameter listed twice in a group
+        check_params(group["params"])
     return template.param_groups, template.defaults
 
 

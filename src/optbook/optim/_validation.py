@@ -146,11 +146,17 @@ def check_matrices(params: Iterable, optimizer: str, hint: str) -> None:
 
 
 def check_params(params: Iterable[torch.Tensor]) -> None:
-    """Every parameter must be a real floating-point tensor (not integer, bool or complex).
+    """Every parameter must be a real floating-point tensor (not integer, bool or complex), each once.
+
+    A parameter listed twice in one group would be stepped twice per ``step()`` by some optimizers and once
+    by others (``torch.optim`` only warns, "in future, this will cause an error"); the wrappers, which keep
+    one copy per entry, would disagree with the optimizer they wrap. So it is refused.
 
     Raises:
         TypeError: naming the offending parameter's index, dtype and shape.
+        ValueError: a parameter appears twice (both indices named).
     """
+    seen: dict[int, int] = {}
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"Invalid params: element {i} is a {type(p).__name__}, expected a torch.Tensor")
@@ -159,6 +165,10 @@ def check_params(params: Iterable[torch.Tensor]) -> None:
                 f"Invalid params: parameter {i} of shape {tuple(p.shape)} has dtype {p.dtype}; "
                 "expected a real floating-point dtype (float16, bfloat16, float32 or float64)"
             )
+        if id(p) in seen:
+            raise ValueError(f"Invalid params: parameter {i} (shape {tuple(p.shape)}) is the same tensor as "
+                             f"parameter {seen[id(p)]}; list each parameter once")
+        seen[id(p)] = i
 
 
 def check_grad(p: torch.Tensor, where: str) -> None:
