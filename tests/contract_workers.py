@@ -236,3 +236,26 @@ def row_report(kind: str) -> dict:
 def distributed_reports(rank: int, world_size: int) -> dict:
     """Rank function of the 2-process launch: ``{kind: row_report(kind)}`` for every distributed row."""
     return {kind: row_report(kind) for kind in DISTRIBUTED}
+
+
+def refused_compositions(rank: int, world_size: int) -> dict:
+    """Rank function: wrap each distributed optimizer in MixedPrecisionOptimizer and put it in a
+    ChainedOptimizer; ``{composition: the error message}`` (each must be refused at construction)."""
+    from optbook.distributed import DistributedOptimizer, LayerWiseMuon
+    from optbook.optim import AdamW, ChainedOptimizer
+    from optbook.precision import MixedPrecisionOptimizer
+
+    W = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    builders = {"LayerWiseMuon": lambda: LayerWiseMuon([W.detach().float().requires_grad_()], lr=0.02),
+                "DistributedOptimizer": lambda: DistributedOptimizer([b.detach().float().requires_grad_()], AdamW, lr=0.1)}
+    out = {}
+    for name, build in builders.items():
+        for how, wrap in (("MixedPrecisionOptimizer", MixedPrecisionOptimizer),
+                          ("ChainedOptimizer", lambda o: ChainedOptimizer([o]))):
+            try:
+                wrap(build())
+                out[f"{how}({name})"] = "accepted"
+            except TypeError as e:
+                out[f"{how}({name})"] = str(e)
+    return out

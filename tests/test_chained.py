@@ -250,3 +250,27 @@ def test_global_clip_is_one_norm_over_all_members():
     assert opt.last_grad_norm == pytest.approx(float(total), rel=1e-12)
     for p, g in zip(matrices + vectors, grads):  # every member's gradients scaled by the same factor
         torch.testing.assert_close(p.grad, g / (float(total) + 1e-6), rtol=1e-12, atol=0)
+
+
+def test_a_mixed_precision_member_is_refused_and_an_offload_member_validates_before_any_member_writes():
+    from optbook.memory import OffloadOptimizer
+    from optbook.precision import MixedPrecisionOptimizer
+
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    # the masters' gradients exist only inside the member's own step: the chain could not check them
+    with pytest.raises(TypeError, match="element 1 is a MixedPrecisionOptimizer.*wrap the chain instead"):
+        ChainedOptimizer([Muon([W], ns_dtype=torch.float64), MixedPrecisionOptimizer(AdamW([b]))])
+    offload = OffloadOptimizer([b], AdamW, lr=0.1)
+    opt = ChainedOptimizer([Muon([W], lr=0.02, ns_dtype=torch.float64), offload])
+    W.grad, b.grad = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    opt.step()
+    before = snapshot(opt, [W, b])
+    offload.param_groups[0]["lr"] = -1.0     # the second member's option: Muon used to step first
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    b.grad[0] = float("nan")                   # the second member's gradient
+    offload.param_groups[0]["lr"] = 0.1
+    with pytest.raises(ValueError, match="Non-finite"):
+        opt.step()
+    assert_same(before, snapshot(opt, [W, b]))

@@ -415,3 +415,77 @@ def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
     with pytest.raises(ValueError, match=words):
         opt.load_state_dict(saved)
     assert torch.equal(opt.master_params()[0], before)
+
+
+def test_an_inner_optimizer_that_steps_its_own_copy_of_the_weights_is_refused():
+    # its step would leave the float32 masters as they were, and the wrapper would write them back over
+    # the update (OffloadOptimizer: weights moved 0 instead of the plain run's step)
+    from optbook.memory import OffloadOptimizer
+
+    W = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    for inner in (lambda: OffloadOptimizer([W], AdamW, lr=0.1),
+                  lambda: ChainedOptimizer([OffloadOptimizer([W], AdamW, lr=0.1)])):
+        with pytest.raises(TypeError, match="OffloadOptimizer keeps its own copy of the weights"):
+            MixedPrecisionOptimizer(inner())
+    MixedPrecisionOptimizer(AdamW([W]))   # wrapping the same model again with a fresh optimizer is fine
+    MixedPrecisionOptimizer(AdamW([W]))
+
+
+def test_distributed_optimizers_are_refused_inside_mixed_precision_and_a_chain():
+    from contract_workers import refused_compositions
+    from optbook.distributed import launch
+
+    out = launch(refused_compositions, 1, timeout=60.0)[0]
+    for name in ("LayerWiseMuon", "DistributedOptimizer"):
+        assert f"Invalid optimizer: {name} " in out[f"MixedPrecisionOptimizer({name})"]
+        assert "instead of the tensors in its param_groups" in out[f"MixedPrecisionOptimizer({name})"]
+        assert "DistributedChain" in out[f"ChainedOptimizer({name})"]
+
+
+def test_a_float64_parameter_with_state_dtype_resumes_from_the_wrappers_own_state_dict():
+    # the stored state went back to float32 for every parameter; the float64 one's check then refused it
+    for state_dtype in (torch.bfloat16, torch.float32):
+        def build():
+            torch.manual_seed(0)
+            a = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+            b = torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))
+            return [a, b], MixedPrecisionOptimizer(AdamW([a, b], lr=0.1), state_dtype=state_dtype)
+
+        g = torch.Generator().manual_seed(1)
+        grads = [[torch.randn(3, generator=g, dtype=torch.float64), torch.randn(3, generator=g).bfloat16()]
+                 for _ in range(4)]
+        ps, opt = build()
+        for t in range(4):
+            if t == 2:
+                saved, weights = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in ps]
+            for p, gr in zip(ps, grads[t]):
+                p.grad = gr.clone()
+            opt.step()
+        ps2, opt2 = build()
+        with torch.no_grad():
+            ps2[0].copy_(weights[0])   # the float64 parameter is the model's own (no master)
+        opt2.load_state_dict(saved)
+        assert all(v.dtype == state_dtype for s in opt2.state.values() for k, v in s.items()
+                   if torch.is_tensor(v) and k != "step")
+        for t in (2, 3):
+            for p, gr in zip(ps2, grads[t]):
+                p.grad = gr.clone()
+            opt2.step()
+        assert all(torch.equal(p, q) for p, q in zip(ps, ps2))
+
+
+@pytest.mark.parametrize("scaler", [None, DynamicLossScaler])
+def test_a_float32_parameters_sparse_gradient_is_named_before_anything_changes(scaler):
+    # was an unnamed NotImplementedError from the norm kernel (the check looked at bfloat16 parameters only)
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    lin = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(AdamW([*emb.parameters(), *lin.parameters()]),
+                                  scaler() if scaler else None)
+    out = lin(emb(torch.tensor([1, 2])).to(torch.bfloat16)).float().sum()
+    out.backward()
+    before = [p.detach().clone() for p in (*emb.parameters(), *lin.parameters())]
+    scale = opt.loss_scale
+    with pytest.raises(TypeError, match=r"model parameter 0 \(float32\) \(shape \(5, 3\)\): sparse"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((*emb.parameters(), *lin.parameters()), before))
+    assert opt.loss_scale == scale

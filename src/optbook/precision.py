@@ -49,8 +49,8 @@ from collections import OrderedDict
 
 import torch
 
-from .contract import NonFiniteGradientError, VersionTracker, closure_loss, elementwise, register_owner
-from .optim._validation import check_bool, check_grad, check_number
+from .contract import NonFiniteGradientError, VersionTracker, closure_loss, elementwise, owner_of, register_owner
+from .optim._validation import check_bool, check_grad, check_number, check_params
 from .optim._validation import check_int as _check_int
 from .optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 
@@ -461,6 +461,42 @@ def check_optimizer_state_dict(state_dict, params: list[list[torch.Tensor]], ele
                 raise ValueError(f"Invalid {name}: shape {tuple(value.shape)}, expected {tuple(expected)}")
 
 
+def check_inner_steps_its_groups(optimizer) -> None:
+    """Refuse an inner optimizer whose step would not update the float32 masters put into its groups.
+
+    :class:`MixedPrecisionOptimizer` replaces each low-precision parameter in the inner optimizer's
+    ``param_groups`` by a master and, after the inner step, writes the masters back into the model. An
+    inner optimizer that steps tensors of its own instead -- a wrapper holding its own copy of the weights
+    (:class:`~optbook.memory.OffloadOptimizer`, ZeRO-1's ``DistributedOptimizer``, ``DistributedMuon``),
+    a distributed optimizer of :mod:`optbook.distributed` (which steps and exchanges the model's tensors
+    across ranks), or FSDP2's sharded parameters -- would leave the masters as they were, and the wrapper
+    would silently undo its update. Checked for every member of a chain.
+
+    Raises:
+        TypeError: names the member and what to use instead.
+    """
+    for opt in {id(m): m for m in _members(optimizer)}.values():
+        name = type(opt).__name__
+        # a wrapper registers itself as the owner of the parameters it keeps a copy of (optbook.contract);
+        # another, earlier MixedPrecisionOptimizer over the same model is no reason to refuse
+        held = any(owner_of(p) is opt for g in opt.param_groups for p in g["params"])
+        if type(opt).__module__.startswith("optbook.distributed") or held:
+            raise TypeError(
+                f"Invalid optimizer: {name} {'keeps its own copy of the weights' if held else 'steps the model'} "
+                "instead of the tensors in its param_groups, so MixedPrecisionOptimizer's float32 masters would never be stepped and its update "
+                "would be undone. Use the wrapper's own mixed precision where it has one (DistributedOptimizer "
+                "and OffloadOptimizer keep float32 masters of bfloat16 parameters themselves; under FSDP2, "
+                "fully_shard's MixedPrecisionPolicy), or wrap a single-process optimizer")
+        if any(_is_dtensor(p) for g in opt.param_groups for p in g["params"]):
+            raise TypeError(f"Invalid optimizer: {name} steps FSDP2-sharded (DTensor) parameters; use "
+                            "fully_shard's MixedPrecisionPolicy for bfloat16 compute over float32 shards")
+
+
+def _is_dtensor(p) -> bool:
+    from .optim._sharded import is_dtensor
+    return is_dtensor(p)
+
+
 def _members(optimizer) -> list:
     """The optimizer stepping each parameter of ``optimizer``, in flat group order (a chain's members)."""
     from .optim import ChainedOptimizer
@@ -546,7 +582,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     of the object (``weights_only=False``; the copy owns its own copies of the parameters).
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``loss_scaler`` lacks ``scale``,
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or steps tensors other than those in its
+            groups (a wrapper with its own copy of the weights, a distributed optimizer, FSDP2 shards:
+            :func:`check_inner_steps_its_groups`); ``loss_scaler`` lacks ``scale``,
             ``update``, ``state_dict`` or ``load_state_dict``; ``check_for_nonfinite`` is not a bool;
             ``state_dtype`` is not ``None`` or a float32/bfloat16/float16 dtype.
         ValueError: the inner optimizer already has state or another wrapper wraps it; a float16 parameter
@@ -567,6 +605,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("Invalid optimizer: it already has state (it has stepped, or a state dict was "
                              "loaded); wrap a freshly built optimizer, then load the wrapper's state dict")
+        check_inner_steps_its_groups(optimizer)
+        for gi, group in enumerate(optimizer.param_groups):   # torch.optim only warns about a repeated parameter
+            try:
+                check_params(group["params"])
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} (optimizer param_groups[{gi}])") from None
         check_loss_scaler(loss_scaler)
         if max_grad_norm is not None:
             max_grad_norm = check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
@@ -776,9 +820,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             if isinstance(opt, BookOptimizer):
                 for group in opt.param_groups:
                     check_hyperparameters(opt, group)
-        for i, (p, _) in enumerate(self._pairs):
+        for i, p in enumerate(self._model_params):   # every one (a float32 parameter's sparse gradient too)
             if p.grad is not None:
-                check_grad(p, f"model parameter {i} (float16/bfloat16)")
+                check_grad(p, f"model parameter {i} ({str(p.dtype).removeprefix('torch.')})")
         if self.loss_scaler is None and self.check_for_nonfinite:
             named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"])]
@@ -966,9 +1010,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 state_dict = out
         skipped = self.check_state_dict(state_dict)
         inner = state_dict["optimizer"]
-        if self.state_dtype is not None:  # saved in state_dtype: the inner optimizer checks against float32 masters
-            inner = {**inner, "state": {k: {n: v.float() if n != "step" and isinstance(v, torch.Tensor)
-                                            and v.dtype in _LOW_PRECISION else v for n, v in s.items()}
+        if self.state_dtype is not None:  # saved in state_dtype: back to each parameter's dtype (float32 for a
+            # master, float64 for a float64 parameter), which the inner optimizer checks against
+            flat = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+            def work(k, n, v):
+                stored = n != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                return v.to(flat[k].dtype) if stored and isinstance(k, int) and 0 <= k < len(flat) else v
+            inner = {**inner, "state": {k: {n: work(k, n, v) for n, v in s.items()}
                                         for k, s in inner["state"].items()}}
         self.optimizer.load_state_dict(inner)
         if self.state_dtype is not None:  # torch.optim casts loaded state to the parameter's dtype

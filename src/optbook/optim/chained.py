@@ -77,6 +77,26 @@ def _own_format(opt) -> bool:
     return not isinstance(opt, BookOptimizer) and type(opt).state_dict is not torch.optim.Optimizer.state_dict
 
 
+def _check_member(i: int, opt) -> None:
+    """Refuse a member whose gradients the chain's one check and global clip cannot see before it steps.
+
+    A ``MixedPrecisionOptimizer``'s groups hold float32 masters whose gradients exist only inside its own
+    step (and its loss scaler could skip its part of a step that the others apply); a distributed optimizer
+    holds each rank's local gradients, whose norm is not the global one, and a rank raising alone would
+    leave the others waiting in a collective.
+    """
+    if type(opt).__module__.startswith("optbook.distributed"):
+        raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, a distributed optimizer; "
+                        "chain it with optbook.distributed.DistributedChain, which clips by the norm of the "
+                        "averaged gradients across ranks")
+    from ..precision import MixedPrecisionOptimizer   # precision imports this package: here, not at the top
+
+    if isinstance(opt, MixedPrecisionOptimizer):
+        raise TypeError(f"Invalid optimizers: element {i} is a MixedPrecisionOptimizer, whose masters' gradients "
+                        "the chain cannot check or clip before it steps; wrap the chain instead: "
+                        "MixedPrecisionOptimizer(ChainedOptimizer([...]), loss_scaler)")
+
+
 class ChainedOptimizer(torch.optim.Optimizer):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
@@ -88,8 +108,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     ``step()`` is atomic:
 
-    1. every member that is an :class:`optbook.optim.BookOptimizer` validates its hyperparameters and
-       gradients (a bad value raises before *any* member writes);
+    1. every member that is an :class:`optbook.optim.BookOptimizer` or an
+       :class:`~optbook.memory.OffloadOptimizer` validates its hyperparameters and gradients (a bad value
+       raises before *any* member writes);
     2. one check over every gradient of every member, the global gradient norm (clipped to
        ``max_grad_norm`` if set; a non-finite norm leaves the gradients as they are): if any gradient
        holds ``inf`` or ``NaN``, :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and
@@ -115,9 +136,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raises); the attributes are there because every wrapper of the step contract has them.
 
     Raises:
-        TypeError: an element is not a ``torch.optim.Optimizer``.
+        TypeError: a member that is not a ``torch.optim.Optimizer``, is a ``MixedPrecisionOptimizer`` (wrap
+            the chain in one instead) or a distributed optimizer of :mod:`optbook.distributed` (use
+            ``DistributedChain``); ``max_grad_norm`` not a number.
         ValueError: no optimizers, a parameter owned by two members, or ``max_grad_norm <= 0`` (or NaN).
-        TypeError: a member that is not a ``torch.optim.Optimizer``; ``max_grad_norm`` not a number.
     """
 
     def __init__(self, optimizers, max_grad_norm: float | None = None):
@@ -130,6 +152,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, not a "
                                 "torch.optim.Optimizer")
+        for i, opt in enumerate(members):
+            _check_member(i, opt)
         seen: set[int] = set()
         for opt in members:
             for group in opt.param_groups:
@@ -253,7 +277,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_momentum()
         with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
             for opt in self.optimizers:   # every optbook member validates before any member writes
-                if isinstance(opt, BookOptimizer):
+                if isinstance(opt, BookOptimizer) or hasattr(opt, "_validate"):   # OffloadOptimizer too
                     opt._validate()
             named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
