@@ -8,7 +8,7 @@ The coefficient ``max_norm / (||g|| + 1e-6)``, applied only when it is below 1, 
 of squares all-reduced over the ranks, parameters held by every rank counted on one rank only) follows
 Megatron-LM's ``megatron/core/optimizer/clip_grads.py`` (``get_grad_norm_fp32``,
 ``clip_grad_by_total_norm_fp32``) and ``param_is_not_tensor_parallel_duplicate`` in
-``megatron/core/tensor_parallel/layers.py``.
+``megatron/core/tensor_parallel/layers.py``, both at core_v0.16.0.
 
 What differs from ``torch.nn.utils.clip_grad_norm_``:
 
@@ -39,7 +39,7 @@ changes (chapter 12 shows both).
 Convention for parameters held by every rank (``group`` given): a parameter with the attribute
 ``optbook_replicated = True`` (see :data:`REPLICATED`) holds the same gradient on every rank of the group
 and is counted on the group's rank 0 only; every other parameter is taken to be this rank's own (a
-shard, or a parameter no other rank holds) and is counted on every rank. Megatron marks the opposite
+shard, or a parameter no other rank holds) and is counted on every rank. Megatron-LM (core_v0.16.0) marks the opposite
 set (``tensor_model_parallel = True`` on split parameters, every unmarked parameter counted on
 tensor-parallel rank 0 only) because there most parameters are replicated; here the common case is
 sharding (each rank passes the parameters it owns), which then needs no marking. Without ``group`` the

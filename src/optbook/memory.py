@@ -498,8 +498,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     A float32/float64 parameter needs no staging: its gradient and value are copied directly. The host
     parameters are split into sub-groups of about ``sub_group_numel`` elements, each stepped by its own
-    inner optimizer (Megatron steps one CPU optimizer per parameter, so each can start as soon as its
-    own gradient has arrived). **Every parameter has exactly one state dict**: ``self.state[p]`` *is* the
+    inner optimizer (Megatron-LM core_v0.16.0, with ``overlap_cpu_optimizer_d2h_h2d``, steps one CPU
+    optimizer per parameter, so each can start as soon as its own gradient has arrived). **Every parameter has exactly one state dict**: ``self.state[p]`` *is* the
     dict the inner optimizer that steps ``p`` uses, so the bias-correction count ``step`` advances once
     per applied step whichever sub-group ``p`` is in. (A count kept per group, as fused Adam kernels do,
     goes wrong when one group is stepped in several pieces or is copied back from a stale group dict;

@@ -2,7 +2,7 @@
 
 The clip of a chained optimizer must use the norm of **all** the mean raw gradients (Pascanu et al. 2013,
 section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every member,
-``megatron/core/optimizer/optimizer.py``), not of the orthogonalised updates, whose norm Newton–Schulz fixes.
+``megatron/core/optimizer/optimizer.py`` at core_v0.16.0), not of the orthogonalised updates, whose norm Newton–Schulz fixes.
 """
 
 from __future__ import annotations
