@@ -444,6 +444,20 @@ def test_a_huge_finite_gradient_is_stepped_or_refused_before_any_write(name, for
             assert opt.step() is None
 
 
+@pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
+def test_a_nan_gradient_in_a_chain_member_is_the_chains_nonfinite_error_not_an_overflow(name):
+    from optbook.contract import NonFiniteGradientError
+    from optbook.optim import ChainedOptimizer
+
+    params = matrices()
+    opt = ChainedOptimizer([make(name, params[:1]), make("AdamW", params[1:])])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.step()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("name", ["Shampoo", "SOAP"])
 def test_shampoo_and_soap_step_gradients_up_to_their_statistics_limit(name, dtype):

@@ -135,7 +135,9 @@ def check_statistics_range(optimizer_name: str, named: list[tuple[str, torch.Ten
 
     Args:
         optimizer_name: the class, for the message.
-        named: ``(name, param)`` pairs; each ``param.grad`` a finite tensor, float16/bfloat16/float32/float64.
+        named: ``(name, param)`` pairs, float16/bfloat16/float32/float64 gradients; a gradient holding
+            ``inf``/``NaN`` is passed over (the non-finite check reports it: :meth:`BookOptimizer._validate`,
+            or the caller that turned that check off, such as a chain, checks it after its members validate).
         carried: for each pair, a 0-dim tensor bounding the magnitude of what the statistics hold now (on the
             gradient's device; ``0`` when they are overwritten or averaged).
 
@@ -150,6 +152,8 @@ def check_statistics_range(optimizer_name: str, named: list[tuple[str, torch.Ten
         work = torch.promote_types(p.dtype, torch.float32)
         limit = torch.finfo(work).max / 2
         if not bound <= limit:
+            if not bool(torch.isfinite(p.grad).all()):
+                continue   # inf/NaN: the non-finite check's case (a caller that turned it off checks it itself)
             square = float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
             raise ValueError(
                 f"Invalid gradient in {where} (shape {tuple(p.shape)}): ||G||_F^2 = {square:.3g}, so "
