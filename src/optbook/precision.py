@@ -483,8 +483,8 @@ def check_inner_steps_its_groups(optimizer) -> None:
         if type(opt).__module__.startswith("optbook.distributed") or held:
             raise TypeError(
                 f"Invalid optimizer: {name} {'keeps its own copy of the weights' if held else 'steps the model'} "
-                "instead of the tensors in its param_groups, so MixedPrecisionOptimizer's float32 masters would never be stepped and its update "
-                "would be undone. Use the wrapper's own mixed precision where it has one (DistributedOptimizer "
+                "instead of the tensors in its param_groups, so MixedPrecisionOptimizer's float32 masters would "
+                "never be stepped and its update would be undone. Use the wrapper's own mixed precision where it has one (DistributedOptimizer "
                 "and OffloadOptimizer keep float32 masters of bfloat16 parameters themselves; under FSDP2, "
                 "fully_shard's MixedPrecisionPolicy), or wrap a single-process optimizer")
         if any(_is_dtensor(p) for g in opt.param_groups for p in g["params"]):
