@@ -34,6 +34,7 @@ from ..optim import Muon
 from ..optim._functional import momentum_directions
 from ..optim._sharded import is_dtensor, local
 from . import _muon_common as common
+from ._ranks import sync_status
 from .layerwise_muon import lpt_assign, ns_cost
 
 __all__ = ["FSDP2Muon"]
@@ -157,6 +158,51 @@ class FSDP2Muon(Muon):
                 out["scatter"] += padded
         return out
 
+    def _agree_on_inputs(self) -> None:
+        """This rank's checks (hyperparameters, gradients; no collective), then one all-reduce (MAX) over the
+        mesh of ``[failing rank code, has a gradient..., lacks a gradient...]``: every rank raises if one
+        failed, or if some parameter has a gradient on some ranks and none on others."""
+        try:
+            saved, self.refuse_nonfinite_grads = self.refuse_nonfinite_grads, False  # judged over the mesh later
+            try:
+                self._validate()
+            finally:
+                self.refuse_nonfinite_grads = saved
+            error = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+        if self.process_group is None:
+            if error is not None:
+                raise error
+            return
+        present = [p.grad is not None for p in self._params]
+        device = local([self._params[0]])[0].device if self._params else torch.device("cpu")
+        flags = present + [not h for h in present]
+        status = sync_status(error, self.rank, flags, self.process_group, device, "FSDP2Muon")
+        n = len(present)
+        mixed = [i for i in range(n) if status[i] and status[n + i]]
+        if not mixed:
+            return
+        every = [None] * self.world_size
+        dist.all_gather_object(every, present, group=self.process_group)  # the error path: name the ranks
+        i = mixed[0]
+        gi, pi = self._position(i)
+        with_grad = [r for r in range(self.world_size) if every[r][i]]
+        without = [r for r in range(self.world_size) if not every[r][i]]
+        raise ValueError(f"FSDP2Muon.step: parameter {i} (param_groups[{gi}]['params'][{pi}], shape "
+                         f"{tuple(self._params[i].shape)}) has a gradient on mesh ranks {with_grad} and none on "
+                         f"mesh ranks {without}; FSDP2 gives every rank its shard of the mean gradient, so the "
+                         "ranks disagree (zero_grad or backward on some ranks only?); nothing was changed on any "
+                         "rank")
+
+    def _position(self, index: int) -> tuple[int, int]:
+        """``(group, position in the group)`` of parameter ``index`` (param-group order)."""
+        for gi, g in enumerate(self.param_groups):
+            if index < len(g["params"]):
+                return gi, index
+            index -= len(g["params"])
+        raise IndexError(index)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step of every sharded matrix (a collective: every rank of the mesh calls it).
@@ -164,13 +210,25 @@ class FSDP2Muon(Muon):
         Returns:
             The closure's loss, or ``None``.
 
+        Every rank first checks its hyperparameters and gradients, then one small all-reduce over the mesh
+        agrees on the outcome and on which parameters have a gradient, so that every rank raises together
+        (no rank is left waiting in a gather) and nothing is written on any rank when one fails.
+
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient, before anything is written.
+            ValueError, TypeError: an invalid hyperparameter (a one-element tensor ``lr``, ``momentum``,
+                ``weight_decay``, ... is read as a float, as :class:`optbook.optim.Muon` reads it) or gradient,
+                on any rank: on every rank (the others name the failing rank), before anything is written.
+            ValueError: a parameter whose gradient is ``None`` on some ranks and present on others (FSDP2
+                gives every rank its shard of the mean gradient, so the ranks disagree: a ``zero_grad`` or a
+                backward pass on some ranks only), naming the parameter and both sets of mesh ranks; on every
+                rank, before anything is written. A parameter without a gradient on every rank is not stepped.
             optbook.contract.NonFiniteGradientError: a gradient shard holds ``inf`` or ``NaN`` on some rank:
                 every rank raises, nothing written.
         """
         loss = closure_loss(closure)
-        self._validate()   # hyperparameters, gradients; the non-finite verdict agreed over the mesh
+        self._agree_on_inputs()
+        self._validate()   # again, now with the non-finite verdict agreed over the mesh (same calls everywhere)
+        groups = [self._read_floats(group) for group in self.param_groups]  # one-element tensors read as floats
         coefficient = 1.0
         if self.max_grad_norm is not None:
             sumsq = grad_sumsq(local([p.grad for p in self._params if p.grad is not None]))
@@ -178,7 +236,7 @@ class FSDP2Muon(Muon):
             self.last_grad_norm = float(sumsq.sqrt())
             coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
         index = 0
-        for group in self.param_groups:
+        for group in groups:
             entries = []  # (parameter index, parameter, local direction rows)
             for p in group["params"]:
                 i, index = index, index + 1
