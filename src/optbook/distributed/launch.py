@@ -140,8 +140,8 @@ def _died(procs, reported) -> list[tuple[int, int]]:
 def _failure_report(failures: list, world_size: int, procs, results, reported: set, wait: float = 0.5) -> str:
     """Why the launch failed: workers that ended without reporting a result or a traceback (killed by a
     signal, ``os._exit``, a crash in the interpreter, an exception before the worker ran: their peers then
-    raise connection errors, which are a consequence) first, with their exit code or signal; then the tracebacks of ranks that raised, in
-    arrival order. Messages and deaths are collected for ``wait`` seconds after the first failure.
+    raise connection errors, which are a consequence) first, with their exit code or signal; then the
+    tracebacks of ranks that raised, in arrival order. Messages and deaths are collected for ``wait`` seconds after the first failure.
 
     ``failures``: ``[(rank, traceback)]`` received so far; ``reported``: ranks that sent a message."""
     until = time.monotonic() + wait
