@@ -351,8 +351,10 @@ def muon_input_agreement(rank: int, world_size: int) -> dict:
     reads them as floats): ``"diff"`` against plain Muon with the same options after one step (0.0: bitwise).
     ``"bad_lr_on_last_rank"``: ``lr = -1`` on the last rank only. ``"grad_none_on_last_rank"``: parameter 1
     without a gradient on the last rank only. ``"after"``: the largest difference from plain Muon after the
-    inputs were fixed and two steps were taken."""
+    inputs were fixed and two steps were taken. ``"all_reduce_bytes"``: what the all-reduces of the last
+    step delivered to this rank (:class:`optbook.distributed.wire.CommCounter`)."""
     from optbook.distributed import FSDP2Muon
+    from optbook.distributed.wire import CommCounter
 
     torch.set_num_threads(1)
     last = world_size - 1
@@ -398,8 +400,10 @@ def muon_input_agreement(rank: int, world_size: int) -> dict:
             out["grad_none_on_last_rank"] = attempt(lambda: setattr(p1, "grad", None if rank == last else grad),
                                                     lambda: setattr(p1, "grad", grad))
         ref_opt.step()
-        opt.step()
+        with CommCounter() as counter:
+            opt.step()
         if step == 0:
             out["tensor_hyperparameters"] = diff()
     out["after"] = diff()
+    out["all_reduce_bytes"] = counter.received.get("all_reduce", 0)  # the agreement of one good step
     return out
