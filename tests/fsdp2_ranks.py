@@ -341,3 +341,69 @@ def clip_on_shards(rank: int, world_size: int) -> dict:
                 for p, r in zip(sharded.parameters(), reference.parameters()))
     return {"norm": float(norm), "ref_norm": float(ref_norm), "grads_close": close,
             "refused_without_group": refused, "untouched_after_refusal": untouched}
+
+
+def muon_input_agreement(rank: int, world_size: int) -> dict:
+    """FSDP2Muon with inputs that must be refused on every rank before any write, or accepted as plain Muon
+    accepts them. Each case: ``(error type and message or None, parameters and state bitwise unchanged)``.
+
+    ``"tensor_hyperparameters"``: ``lr``, ``momentum``, ``weight_decay`` as one-element tensors (plain Muon
+    reads them as floats): ``"diff"`` against plain Muon with the same options after one step (0.0: bitwise).
+    ``"bad_lr_on_last_rank"``: ``lr = -1`` on the last rank only. ``"grad_none_on_last_rank"``: parameter 1
+    without a gradient on the last rank only. ``"after"``: the largest difference from plain Muon after the
+    inputs were fixed and two steps were taken. ``"all_reduce_bytes"``: what the all-reduces of the last
+    step delivered to this rank (:class:`optbook.distributed.wire.CommCounter`)."""
+    from optbook.distributed import FSDP2Muon
+    from optbook.distributed.wire import CommCounter
+
+    torch.set_num_threads(1)
+    last = world_size - 1
+    kw = dict(lr=torch.tensor([0.02], dtype=torch.float64), momentum=torch.tensor([0.9], dtype=torch.float64),
+              weight_decay=torch.tensor([0.1], dtype=torch.float64), ns_dtype=torch.float64)
+    reference = muon_model()
+    sharded = shard(copy.deepcopy(reference))
+    ref_opt = Muon(list(reference.parameters()), **kw)
+    opt = FSDP2Muon(list(sharded.parameters()), **kw)
+
+    def diff():
+        return max(float((full(p.detach()) - r.detach()).abs().max())
+                   for p, r in zip(sharded.parameters(), reference.parameters()))
+
+    def snapshot():
+        return ([p.detach().to_local().clone() for p in sharded.parameters()]
+                + [s["momentum_buffer"].to_local().clone() for s in opt.state.values()])
+
+    def attempt(edit, undo):
+        before = snapshot()
+        edit()
+        try:
+            opt.step()
+            err = None
+        except Exception as e:  # noqa: BLE001 -- reported to the test, which checks the type
+            err = (type(e).__name__, str(e))
+        undo()
+        after = snapshot()
+        return err, len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+    out = {}
+    for step in range(3):
+        ref_opt.zero_grad()
+        reference(muon_batch(step)).pow(2).mean().backward()
+        set_sharded_grads(sharded, reference)
+        if step == 1:
+            group = opt.param_groups[0]
+            lr = group["lr"]
+            out["bad_lr_on_last_rank"] = attempt(lambda: group.update(lr=-1.0 if rank == last else lr),
+                                                 lambda: group.update(lr=lr))
+            p1 = list(sharded.parameters())[1]
+            grad = p1.grad
+            out["grad_none_on_last_rank"] = attempt(lambda: setattr(p1, "grad", None if rank == last else grad),
+                                                    lambda: setattr(p1, "grad", grad))
+        ref_opt.step()
+        with CommCounter() as counter:
+            opt.step()
+        if step == 0:
+            out["tensor_hyperparameters"] = diff()
+    out["after"] = diff()
+    out["all_reduce_bytes"] = counter.received.get("all_reduce", 0)  # the agreement of one good step
+    return out

@@ -597,3 +597,84 @@ def contract_suite(rank: int, world_size: int) -> dict:
         previous, out[size] = shared[0], report
         dist.barrier()
     return out
+
+
+def checkpoint_acceptance(rank: int, world_size: int) -> dict:
+    """Loads that must be all or nothing, or must be accepted (2 ranks):
+
+    ``"chain_consolidated"``, ``"chain_sharded"``: a :class:`~optbook.distributed.DistributedChain` checkpoint
+    whose Muon momentum is float32 for float64 parameters (each rank owns one matrix); ``(error or None, the
+    AdamW member's state and every parameter unchanged)``. ``"scheduler_keys"``: a plain Muon checkpoint whose
+    groups carry ``initial_lr`` (set by :class:`optbook.schedules.SampleScheduler`) loaded into plain Muon,
+    LayerWiseMuon and DistributedMuon: ``{name: error or None, name + " lr": the loaded lr}``;
+    ``"adamw_empty_state"``: an AdamW checkpoint taken before any step (no state) into both: the errors."""
+    from optbook.distributed import DistributedChain, DistributedOptimizer
+    from optbook.optim import AdamW, Muon
+    from optbook.schedules import LRSchedule, SampleScheduler
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        mats = [torch.nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64)) for _ in range(2)]
+        b = torch.nn.Parameter(torch.randn(4, generator=g, dtype=torch.float64))
+        chain = DistributedChain(LayerWiseMuon(mats, lr=0.02, ns_dtype=torch.float64),
+                                 DistributedOptimizer([b], AdamW, lr=0.01), max_grad_norm=1.0)
+        return mats + [b], chain
+
+    def one_step(params, chain, k):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 1.0 + k + rank + i)
+        chain.step()
+
+    def chain_snapshot(params, chain):
+        out = [p.detach().clone() for p in params]
+        for opt in (chain.adamw.optimizer, chain.muon):
+            for s in opt.state.values():
+                out += [v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in s.values()]
+        return out
+
+    out = {}
+    for which in ("consolidated", "sharded"):
+        params, chain = build()
+        for k in range(2):
+            one_step(params, chain, k)
+        chain.consolidate_state_dict(0)
+        shared = [copy.deepcopy(chain.state_dict()) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        sd, shard = shared[0], copy.deepcopy(chain.sharded_state_dict())
+        one_step(params, chain, 2)  # the state now differs from the checkpoint
+        if which == "consolidated":
+            for entry in sd["muon"]["state"].values():
+                entry["momentum_buffer"] = entry["momentum_buffer"].float()
+            load = lambda: chain.load_state_dict(sd)  # noqa: E731
+        else:
+            assert shard["muon"]["state"], "each rank owns a matrix"
+            for entry in shard["muon"]["state"].values():
+                entry["momentum_buffer"] = entry["momentum_buffer"].float()
+            load = lambda: chain.load_sharded_state_dict(shard)  # noqa: E731
+        before = chain_snapshot(params, chain)
+        err = _error(load)
+        out["chain_" + which] = (err, bitwise(before, chain_snapshot(params, chain)))
+
+    def fresh():
+        return [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(1),
+                                               dtype=torch.float64))]
+
+    ps = fresh()
+    muon = Muon(ps, lr=0.02)
+    sched = SampleScheduler(muon, LRSchedule(max_lr=1.0, total=100, warmup=10), batch_size=4)
+    ps[0].grad = torch.ones(4, 4, dtype=torch.float64)
+    muon.step()
+    sched.step()
+    sd = muon.state_dict()
+    assert "initial_lr" in sd["param_groups"][0]
+    keys, empty = {}, {}
+    adamw_sd = AdamW(fresh(), lr=0.01).state_dict()  # no step yet: no state entries, only the groups
+    for name, cls in (("Muon", Muon), ("LayerWiseMuon", LayerWiseMuon), ("DistributedMuon", DistributedMuon)):
+        new = cls(fresh(), lr=0.02)
+        keys[name] = _error(lambda new=new: new.load_state_dict(sd))
+        keys[name + " lr"] = new.param_groups[0]["lr"]
+        if name != "Muon":
+            empty[name] = _error(lambda cls=cls: cls(fresh(), lr=0.02).load_state_dict(adamw_sd))
+    out["scheduler_keys"], out["adamw_empty_state"] = keys, empty
+    out["scheduled_lr"] = sd["param_groups"][0]["lr"]
+    return out

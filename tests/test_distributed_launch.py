@@ -120,10 +120,30 @@ def test_a_process_that_fails_to_start_reports_its_own_error(monkeypatch):
         launch(raise_on_rank, 2, bad_rank=5, timeout=20.0)
 
 
-@pytest.mark.parametrize("how, reason", [("exit", "exit code 3"), ("kill", "signal SIGKILL")])
+@pytest.mark.parametrize("how, reason", [("exit", "exited (exit code 3)"), ("kill", "was killed (signal SIGKILL)")])
 def test_a_rank_that_dies_without_an_exception_is_named_with_its_exit_code_or_signal(how, reason):
     with pytest.raises(RuntimeError) as info:
         launch(die_on_rank, 2, bad_rank=1, how=how, timeout=60.0)
     first_line = str(info.value).splitlines()[0]
-    assert first_line == (f"optbook.distributed.launch: rank 1 of 2 died without a Python exception ({reason}) "
-                          "and without returning a result")
+    assert first_line.startswith(f"optbook.distributed.launch: rank 1 of 2 {reason} before reporting a result")
+    assert ("a traceback, if any, is on its stderr" in first_line) == (how == "exit")
+
+
+def test_a_script_without_a_main_guard_is_not_reported_as_dying_without_a_python_exception(tmp_path):
+    # Each spawned child imports the parent's script as its main module; without the guard, the child's own
+    # launch() raises there (multiprocessing's bootstrapping error), before the worker runs: exit code 1.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("from optbook.distributed import launch\n"
+                      "from optbook.distributed.workers import clip_problem\n"
+                      "launch(clip_problem, 2, timeout=20.0)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode != 0
+    assert "bootstrapping phase" in run.stderr  # the children's own traceback, on stderr
+    report = [line for line in run.stderr.splitlines() if "optbook.distributed.launch: rank" in line]
+    assert report and "without a Python exception" not in run.stderr, run.stderr[-2000:]
+    assert "exited (exit code 1) before reporting a result; a traceback, if any, is on its stderr" in report[0]

@@ -89,6 +89,23 @@ def test_fsdp2_muon_refuses_plain_tensors_and_stops_every_rank_on_a_nan():
         assert r["nonfinite"] is not None and "inf" in r["nonfinite"] and r["unchanged"]
 
 
+def test_fsdp2_muon_agrees_on_inputs_over_the_mesh_and_reads_tensor_hyperparameters_as_muon_does():
+    from fsdp2_ranks import muon_input_agreement
+
+    # a short collective timeout: a rank left waiting in a gather would fail the launch, not hang the test
+    reports = launch(muon_input_agreement, 2, timeout=20.0)
+    for rank, r in enumerate(reports):
+        assert r["tensor_hyperparameters"] == 0.0  # one-element tensor lr, momentum, weight_decay: as plain Muon
+        err, unchanged = r["bad_lr_on_last_rank"]
+        assert err is not None and err[0] == "ValueError" and unchanged, err
+        assert ("lr" in err[1]) if rank == 1 else ("rank 1 of the mesh" in err[1])
+        err, unchanged = r["grad_none_on_last_rank"]
+        assert err is not None and err[0] == "ValueError" and unchanged, err
+        assert "parameter 1 " in err[1] and "on mesh ranks [0] and none on mesh ranks [1]" in err[1]
+        assert r["after"] == 0.0  # the refused steps changed nothing: the run continues as plain Muon's
+        assert r["all_reduce_bytes"] == 12  # the agreement: three int32, which also carry the non-finite verdict
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_qk_clip_on_sharded_attention_weights_is_the_single_process_clip(world_size):
     from fsdp2_ranks import qk_clip_run

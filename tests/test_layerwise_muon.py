@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from muon_rank_programs import MUON_SUITE_GROUPS, layerwise_raise_mid_run, muon_suite
+from muon_rank_programs import MUON_SUITE_GROUPS, checkpoint_acceptance, layerwise_raise_mid_run, muon_suite
 
 from optbook import newton_schulz
 from optbook.distributed import (
@@ -344,3 +344,29 @@ def test_the_chapter_workers_draw_their_problem_through_the_runtime_seed_offset(
         assert all(abs(a - b) <= 1e-12 * b for a, b in zip(rep["chain"]["norms"], chain["norms"]))
     with pytest.raises(ValueError, match="seed"):       # before any collective: no process group here
         muon_chapter(0, 1, seed=-1)
+
+
+@pytest.fixture(scope="module")
+def acceptance():
+    return launch(checkpoint_acceptance, 2, timeout=60.0)
+
+
+@pytest.mark.parametrize("which", ["consolidated", "sharded"])
+def test_a_chain_checkpoint_the_muon_member_refuses_loads_nothing_into_the_adamw_member(acceptance, which):
+    # float32 momentum for float64 matrices: only the full check (dtype too) finds it, and it must find it
+    # before the DistributedOptimizer member has loaded its part
+    for rep in acceptance:
+        err, untouched = rep["chain_" + which]
+        assert err is not None and err[0] == "ValueError" and "float32" in err[1], err
+        assert untouched
+
+
+def test_a_plain_muon_checkpoint_with_scheduler_keys_loads_into_the_distributed_muons(acceptance):
+    for rep in acceptance:
+        keys = rep["scheduler_keys"]
+        for name in ("Muon", "LayerWiseMuon", "DistributedMuon"):
+            assert keys[name] is None, (name, keys[name])
+            assert keys[name + " lr"] == rep["scheduled_lr"] != 0.02  # the scheduled lr was loaded
+        # an optimizer without Muon's hyperparameters (AdamW, before any step: no state to tell) is refused
+        for name, err in rep["adamw_empty_state"].items():
+            assert err is not None and err[0] == "ValueError" and "another optimizer" in err[1], (name, err)

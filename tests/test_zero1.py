@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from zero1_ranks import SUITE_GROUPS, zero1_raise_mid_run, zero1_suite
+from zero1_ranks import SUITE_GROUPS, zero1_grad_buffer_failures, zero1_raise_mid_run, zero1_suite
 
 from optbook.distributed import launch, shard_layout
 from optbook.distributed.workers import zero1_mean_grads, zero1_problem
@@ -300,3 +300,18 @@ def test_an_inf_on_one_rank_without_a_loss_scaler_raises_on_every_rank_naming_th
         assert kind == "NonFiniteGradientError"
         assert "parameter 0 (param_groups[0]['params'][0], shape (3,))" in message and "no loss_scaler" in message
         assert r["inf_untouched"] and r["skipped_steps"] == 0
+
+
+def test_a_failed_step_leaves_the_grad_buffer_views_unchanged_and_a_retry_is_exact():
+    # use_grad_buffer(): every .grad is a view of the flat buffer that step() reduces and divides in place
+    reports = launch(zero1_grad_buffer_failures, 2, timeout=30.0)
+    for rank, r in enumerate(reports):
+        for case, kind in (("lr", "ValueError"), ("inf", "NonFiniteGradientError"),
+                           ("nan", "NonFiniteGradientError"), ("overflow", "NonFiniteGradientError")):
+            err, grads_unchanged, unchanged = r["cases"][case]
+            assert err is not None and err[0] == kind, (rank, case, err)
+            assert grads_unchanged and unchanged, (rank, case)
+        assert "parameter 1" in r["cases"]["overflow"][0][1]
+        assert r["still_views"]
+        # the retries after fixing the input: bitwise the run that never failed (gradients copied, no views)
+        assert all(torch.equal(a, b) for a, b in zip(r["after"], r["reference"]))

@@ -153,6 +153,73 @@ def zero1_bad_input(rank: int, world_size: int, *, seed: int = 0, group=None) ->
             "after": [p.detach() for p in params], "constructor_errors": constructor_errors}
 
 
+def zero1_grad_buffer_failures(rank: int, world_size: int) -> dict:
+    """Failed steps with ``use_grad_buffer()`` (each ``.grad`` a view of the flat buffer that ``step`` reduces
+    in place): ``lr = -1`` on the last rank; an ``inf``, a ``NaN`` on the last rank; finite float32 gradients
+    whose sum over the ranks overflows. Each case: ``(error type and message, .grad bitwise unchanged,
+    parameters and state bitwise unchanged)``, then the input is fixed and the step retried. ``"after"``:
+    the parameters after every retry, and ``"reference"``: the same steps with the gradients copied into the
+    buffer (no views) and no failure: they must be equal bit for bit."""
+    from optbook.distributed import DistributedOptimizer
+    from optbook.optim import AdamW
+
+    def problem():
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(5, 3, generator=g, dtype=torch.float64).requires_grad_(),
+                torch.randn(7, generator=g).requires_grad_(), torch.randn(2, 2, generator=g).requires_grad_()]
+
+    def good(step):
+        g = torch.Generator().manual_seed(100 + 10 * step + rank)
+        return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+    last = world_size - 1
+    params, ref_params = problem(), problem()
+    opt = DistributedOptimizer(params, AdamW, lr=0.01, weight_decay=0.1)
+    ref = DistributedOptimizer(ref_params, AdamW, lr=0.01, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    assert opt.use_grad_buffer() == len(params)
+
+    def set_grads(step):
+        for p, g in zip(params, good(step)):
+            p.grad.copy_(g)  # in place: the views stay views
+        for p, g in zip(ref_params, good(step)):
+            p.grad = g
+
+    def state():
+        return [p.detach().clone() for p in params] + [v.clone() for s in opt.optimizer.state.values()
+                                                       for v in s.values() if isinstance(v, torch.Tensor)]
+
+    cases = {}
+    for step, case in enumerate(("lr", "inf", "nan", "overflow")):
+        set_grads(step)
+        grads = [p.grad.clone() for p in params]
+        before = state()
+        if case == "lr" and rank == last:
+            opt.param_groups[0]["lr"] = -1.0
+        elif case in ("inf", "nan") and rank == last:
+            params[1].grad[3] = float(case)
+        elif case == "overflow":
+            params[1].grad[0] = 3e38  # finite on every rank, inf once summed (float32)
+        bad = [p.grad.clone() for p in params]
+        try:
+            opt.step()
+            err = None
+        except Exception as e:  # noqa: BLE001 -- reported to the test, which checks the type
+            err = (type(e).__name__, str(e))
+        cases[case] = (err, _same_bits(bad, [p.grad for p in params]), _same_bits(before, state()))
+        opt.param_groups[0]["lr"] = 0.01
+        for p, g in zip(params, grads):  # fix the input (in place) and retry
+            p.grad.copy_(g)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref.step()
+    still_views = opt.use_grad_buffer() == len(params) and all(
+        p.grad.data_ptr() == opt._grad_view(i).data_ptr() for i, p in enumerate(params))
+    return {"cases": cases, "after": [p.detach().clone() for p in params],
+            "reference": [p.detach().clone() for p in ref_params], "still_views": still_views}
+
+
 def zero1_raise_mid_run(rank: int, world_size: int, *, bad_rank: int = 1, at_step: int = 2) -> int:
     """Train :func:`zero1_problem`; rank ``bad_rank`` raises before its step ``at_step`` while the other ranks
     enter the step's reduce-scatter. :func:`optbook.distributed.launch` must then fail fast (not hang)."""

@@ -45,9 +45,12 @@ def check_muon_state_dict(state_dict, opt) -> int:
     (``opt.skipped_steps`` when the dict has none: dicts saved before the entry existed).
 
     Checked: a dict with ``state`` and ``param_groups``; the number of groups and of parameters per group;
-    each group's hyperparameters (Muon's checks; a key Muon's groups do not have, e.g. AdamW's ``betas``,
-    is refused); every state entry belongs to a listed parameter and holds only a floating-point
-    ``momentum_buffer`` of its parameter's shape; ``skipped_steps`` an int ``>= 0``.
+    each group's hyperparameters (Muon's checks; a group without Muon's own hyperparameters, e.g. AdamW's,
+    is refused, while extra keys such as a learning-rate scheduler's ``initial_lr`` are kept, as
+    ``torch.optim`` and :class:`optbook.optim.Muon` keep them); every state entry belongs to a listed
+    parameter and holds only a floating-point ``momentum_buffer`` of its parameter's shape; ``skipped_steps`` an
+    int ``>= 0``; then everything ``opt.load_state_dict`` checks (``opt.check_state_dict``: the momentum's
+    dtype among others), so a dict that passes loads.
 
     Raises:
         TypeError, ValueError: the first problem found, naming the group, parameter or key.
@@ -68,10 +71,14 @@ def check_muon_state_dict(state_dict, opt) -> int:
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"Invalid state_dict: param group {gi} has {len(saved['params'])} parameters, this "
                              f"optimizer's has {len(group['params'])}")
-        unknown = sorted(set(saved) - set(group))
-        if unknown:
-            raise ValueError(f"Invalid state_dict: param group {gi} has the key(s) {unknown}, which Muon's groups "
-                             "do not have (a checkpoint of another optimizer?)")
+        # Extra keys are kept, as torch.optim and optbook.optim.Muon keep them (a scheduler's ``initial_lr``);
+        # a group without Muon's own hyperparameters is another optimizer's.
+        missing = sorted(k for k in MUON_KEYS if k in group and k not in saved)
+        if missing:
+            extra = sorted(str(k) for k in set(saved) - set(group))
+            raise ValueError(f"Invalid state_dict: param group {gi} has no {missing} (Muon's hyperparameters)"
+                             + (f" and has the key(s) {extra}, which Muon's groups do not have" if extra else "")
+                             + " (a checkpoint of another optimizer?)")
         check_hyperparameters(opt, {**group, **{k: v for k, v in saved.items() if k != "params"}})
         param_of.update(zip(saved["params"], group["params"]))
     for saved_id, entry in saved_state.items():
@@ -89,7 +96,11 @@ def check_muon_state_dict(state_dict, opt) -> int:
                     else type(buf).__name__)
             raise ValueError(f"Invalid state_dict: momentum_buffer of parameter {saved_id!r} has {what}; the "
                              f"parameter has shape {tuple(p.shape)} (a checkpoint of another model?)")
-    return check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", opt.skipped_steps), 0)
+    skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", opt.skipped_steps), 0)
+    # Everything the load itself checks (BookOptimizer.load_state_dict calls the same function), so that a
+    # caller loading several optimizers (DistributedChain) can check each completely before loading any.
+    opt.check_state_dict({"state": saved_state, "param_groups": saved_groups})
+    return skipped
 
 
 def first_nonfinite(tensors) -> int | None:

@@ -32,6 +32,7 @@ from ..clipping import clip_coefficient, grad_sumsq
 from ..contract import closure_loss
 from ..optim import Muon
 from ..optim._functional import momentum_directions
+from ..optim.optimizer import all_finite, raise_nonfinite
 from ..optim._sharded import is_dtensor, local
 from . import _muon_common as common
 from .layerwise_muon import lpt_assign, ns_cost
@@ -157,6 +158,74 @@ class FSDP2Muon(Muon):
                 out["scatter"] += padded
         return out
 
+    def _agree_on_inputs(self) -> None:
+        """This rank's checks (hyperparameters, gradients, ``inf``/``NaN`` in its gradient shards; no
+        collective), then one all-reduce (MAX) over the mesh of three int32 numbers, ``[outcome, s, M - s]``:
+        the outcome is ``2 (rank + 1)`` for an invalid input, ``1`` for a non-finite shard, else ``0``, and
+        ``s`` is a signature of which parameters have a gradient here (their bit mask for the first 30
+        parameters, plus a hash modulo the prime ``M = 2**31 - 1`` for the others), so the ranks differ when
+        the largest ``s`` is not the smallest. Every rank then raises if some rank's input was invalid (its
+        own error, or a ``ValueError`` naming that rank), or if some parameter has a gradient on some ranks
+        and none on others (naming it and both sets of mesh ranks: one ``all_gather_object`` on this error
+        path), or if a gradient is non-finite (naming it: :func:`raise_nonfinite`, one more small
+        collective on that error path). Nothing has been written then. 12 bytes per step in the common case
+        (the non-finite verdict included)."""
+        named = []  # (name, parameter) of the gradients to check for inf/NaN
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and p.numel():
+                    named.append((f"param_groups[{gi}]['params'][{pi}]", p))
+        try:
+            saved, self.refuse_nonfinite_grads = self.refuse_nonfinite_grads, False  # judged over the mesh below
+            try:
+                self._validate()
+            finally:
+                self.refuse_nonfinite_grads = saved
+            error = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+        nonfinite = (error is None and self.refuse_nonfinite_grads and bool(named)
+                     and not all_finite(local([p.grad for _, p in named])))  # this rank's shards: no collective
+        if self.process_group is None:
+            if error is not None:
+                raise error
+            return
+        present = [p.grad is not None for p in self._params]
+        modulus = 2**31 - 1
+        signature = sum((1 << i) if i < 30 else pow(16807, i, modulus) for i, h in enumerate(present) if h) % modulus
+        outcome = 2 * (self.rank + 1) if error is not None else int(nonfinite)
+        device = local([self._params[0]])[0].device
+        status = torch.tensor([outcome, signature, modulus - signature], dtype=torch.int32, device=device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+        outcome, largest, complement = status.tolist()
+        if error is not None:
+            raise error
+        if outcome >= 2:
+            raise ValueError(f"FSDP2Muon.step: rank {outcome // 2 - 1} of the mesh found an invalid input (see its "
+                             "error); nothing was changed on any rank")
+        if largest != modulus - complement:  # the ranks' signatures differ: name the first such parameter
+            every = [None] * self.world_size
+            dist.all_gather_object(every, present, group=self.process_group)
+            i = next(i for i in range(len(present)) if len({e[i] for e in every}) > 1)
+            gi, pi = self._position(i)
+            with_grad = [r for r in range(self.world_size) if every[r][i]]
+            without = [r for r in range(self.world_size) if not every[r][i]]
+            raise ValueError(f"FSDP2Muon.step: parameter {i} (param_groups[{gi}]['params'][{pi}], shape "
+                             f"{tuple(self._params[i].shape)}) has a gradient on mesh ranks {with_grad} and none "
+                             f"on mesh ranks {without}; FSDP2 gives every rank its shard of the mean gradient, so "
+                             "the ranks disagree (zero_grad or backward on some ranks only?); nothing was changed "
+                             "on any rank")
+        if outcome == 1:
+            raise_nonfinite(named)  # the same parameters on every rank: its flags agreed over the mesh
+
+    def _position(self, index: int) -> tuple[int, int]:
+        """``(group, position in the group)`` of parameter ``index`` (param-group order)."""
+        for gi, g in enumerate(self.param_groups):
+            if index < len(g["params"]):
+                return gi, index
+            index -= len(g["params"])
+        raise IndexError(index)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step of every sharded matrix (a collective: every rank of the mesh calls it).
@@ -164,13 +233,25 @@ class FSDP2Muon(Muon):
         Returns:
             The closure's loss, or ``None``.
 
+        Every rank first checks its hyperparameters and gradients, then one small all-reduce over the mesh
+        (12 bytes) agrees on the outcome, on ``inf``/``NaN`` and on which parameters have a gradient, so that
+        every rank raises together (no rank is left waiting in a gather) and nothing is written on any rank
+        when one fails.
+
         Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient, before anything is written.
+            ValueError, TypeError: an invalid hyperparameter (a one-element tensor ``lr``, ``momentum``,
+                ``weight_decay``, ... is read as a float, as :class:`optbook.optim.Muon` reads it) or gradient,
+                on any rank: on every rank (the others name the failing rank), before anything is written.
+            ValueError: a parameter whose gradient is ``None`` on some ranks and present on others (FSDP2
+                gives every rank its shard of the mean gradient, so the ranks disagree: a ``zero_grad`` or a
+                backward pass on some ranks only), naming the parameter and both sets of mesh ranks; on every
+                rank, before anything is written. A parameter without a gradient on every rank is not stepped.
             optbook.contract.NonFiniteGradientError: a gradient shard holds ``inf`` or ``NaN`` on some rank:
                 every rank raises, nothing written.
         """
         loss = closure_loss(closure)
-        self._validate()   # hyperparameters, gradients; the non-finite verdict agreed over the mesh
+        self._agree_on_inputs()  # hyperparameters, gradients, the non-finite verdict: agreed over the mesh
+        groups = [self._read_floats(group) for group in self.param_groups]  # one-element tensors read as floats
         coefficient = 1.0
         if self.max_grad_norm is not None:
             sumsq = grad_sumsq(local([p.grad for p in self._params if p.grad is not None]))
@@ -178,7 +259,7 @@ class FSDP2Muon(Muon):
             self.last_grad_norm = float(sumsq.sqrt())
             coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
         index = 0
-        for group in self.param_groups:
+        for group in groups:
             entries = []  # (parameter index, parameter, local direction rows)
             for p in group["params"]:
                 i, index = index, index + 1

@@ -117,6 +117,20 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
+def _death_line(rank: int, world_size: int, code: int) -> str:
+    """The report of a worker that ended without sending a result or a traceback. A signal says it was
+    killed; an exit code cannot tell a Python exception raised before :func:`_worker` ran (while the spawned
+    process imports the parent's main module: a script without an ``if __name__ == "__main__":`` guard)
+    from ``os._exit`` or a crash of the interpreter, so the message says where a traceback would be."""
+    if code < 0:
+        return (f"optbook.distributed.launch: rank {rank} of {world_size} was killed ({_exit_reason(code)}) "
+                "before reporting a result")
+    return (f"optbook.distributed.launch: rank {rank} of {world_size} exited ({_exit_reason(code)}) before "
+            "reporting a result; a traceback, if any, is on its stderr (an exception while the spawned process "
+            "started, e.g. a script that calls launch without an `if __name__ == \"__main__\":` guard, or "
+            "os._exit or a crash of the interpreter)")
+
+
 def _died(procs, reported) -> list[tuple[int, int]]:
     """``(rank, exitcode)`` of the workers that ended abnormally without sending a message (a worker that
     raised sends its traceback and exits with code 0)."""
@@ -124,10 +138,10 @@ def _died(procs, reported) -> list[tuple[int, int]]:
 
 
 def _failure_report(failures: list, world_size: int, procs, results, reported: set, wait: float = 0.5) -> str:
-    """Why the launch failed: workers that died without a Python exception (killed by a signal,
-    ``os._exit``, a crash in the interpreter: their peers then raise connection errors, which are a
-    consequence) first, with their exit code or signal; then the tracebacks of ranks that raised, in
-    arrival order. Messages and deaths are collected for ``wait`` seconds after the first failure.
+    """Why the launch failed: workers that ended without reporting a result or a traceback (killed by a
+    signal, ``os._exit``, a crash in the interpreter, an exception before the worker ran: their peers then
+    raise connection errors, which are a consequence) first, with their exit code or signal; then the
+    tracebacks of ranks that raised, in arrival order. Messages and deaths are collected for ``wait`` seconds after the first failure.
 
     ``failures``: ``[(rank, traceback)]`` received so far; ``reported``: ranks that sent a message."""
     until = time.monotonic() + wait
@@ -141,8 +155,7 @@ def _failure_report(failures: list, world_size: int, procs, results, reported: s
             failures.append((other, payload))
     lines = []
     for r, code in _died(procs, reported):
-        lines.append(f"optbook.distributed.launch: rank {r} of {world_size} died without a Python exception "
-                     f"({_exit_reason(code)}) and without returning a result")
+        lines.append(_death_line(r, world_size, code))
     for k, (r, trace) in enumerate(failures):
         first = k == 0 and not lines
         lines.append(f"{'optbook.distributed.launch: rank' if first else 'Then rank'} {r} of {world_size} "
@@ -190,9 +203,11 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
     Raises:
         TypeError, ValueError: invalid ``fn``, ``world_size``, ``backend`` or ``timeout``, or ``"nccl"``
             without CUDA.
-        RuntimeError: a worker raised (the message names its rank and holds its traceback), died without
-            a Python exception (the message names that rank and its exit code or signal first, ahead of the
-            connection errors its death causes on the other ranks), or did not finish before the deadline.
+        RuntimeError: a worker raised (the message names its rank and holds its traceback), ended without
+            reporting a result (killed by a signal, ``os._exit``, or an exception while the spawned process
+            started, whose traceback is on that process's stderr: the message names that rank and its exit
+            code or signal first, ahead of the connection errors its death causes on the other ranks), or did
+            not finish before the deadline.
             All workers are stopped first.
     """
     _check_importable(fn)

@@ -16,12 +16,14 @@ from here and from :mod:`optbook.distributed`.
 
 One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
 
+    all_reduce([bad input, check needed, has_grad...], MAX)   every rank raises together on bad input,
+                                                    before the flat gradient (the .grad views) is touched
     flat_grad[param] = p.grad                      every rank, its own micro-batch's gradient
     reduce_scatter(flat_grad[shard r], flat_grad)   SUM; rank r receives the summed shard r (gloo: an
                                                     all-reduce of the bucket, of which rank r reads shard r) ...
     flat_grad[shard r] /= world_size                 ... and takes the mean
-    flat_grad[shard r] /= S; found_inf             (with a loss scaler S)
-    all_reduce([found_inf, has_grad...], MAX)       every rank skips together, one scale update
+    flat_grad[shard r] /= S; found_inf             (with a loss scaler S, or gradients that could overflow)
+    all_reduce([found_inf], MAX)                   every rank skips (or raises) together, one scale update
     clip by sqrt(all_reduce(sum of squares, SUM))   (max_grad_norm) each element counted once
     inner optimizer step on the pieces of shard r   float32 masters and m, v for shard r only
     flat_param[shard r] = master[shard r]           (float16/bfloat16: one rounding)
@@ -285,10 +287,15 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         ``backward()`` accumulates straight into it and :meth:`step` skips copying it there (as
         ``DistributedDataParallel(gradient_as_bucket_view=True)``). Not a collective.
 
-        :meth:`step` reduces the buffer in place, so afterwards these ``.grad`` tensors hold no meaningful
-        values: call ``zero_grad(set_to_none=False)`` before the next backward pass to keep the views
-        (``set_to_none=True``, the default, drops them; the next gradients are then copied as usual).
-        float16/bfloat16 parameters keep their own gradients (the buffer is float32).
+        :meth:`step` reduces the buffer in place, so after a completed (or skipped) step these ``.grad``
+        tensors hold no meaningful values: call ``zero_grad(set_to_none=False)`` before the next backward
+        pass to keep the views (``set_to_none=True``, the default, drops them; the next gradients are then
+        copied as usual). float16/bfloat16 parameters keep their own gradients (the buffer is float32). A
+        step that raises
+        leaves the views bitwise unchanged, so the step can be retried after fixing its input: input errors
+        are agreed over the ranks before the buffer is touched, and when some rank's gradients could give a
+        non-finite mean (without a loss scaler: a gradient whose 2-norm is non-finite or above
+        ``max / (2 d)`` of its dtype) every rank copies its buffer first and puts it back before raising.
 
         Returns:
             The number of parameters whose ``.grad`` is now a view (their current gradients are copied in;
@@ -447,9 +454,30 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             return not all_finite(shard_grads)
         return unscale_grads_(shard_grads, scale)
 
-    def _raise_non_finite(self) -> None:
+    def _needs_check(self) -> bool:
+        """Whether the mean gradient must be checked for ``inf``/``NaN`` after the reduction: always with a
+        loss scaler (a non-finite mean is a skipped step); without one, only when this rank's gradients
+        could make a mean non-finite. Each gradient's 2-norm (one ``torch._foreach_norm`` pass, one
+        synchronisation) bounds its elements: below ``max / (2 d)`` of the buffer's dtype no sum over ``d``
+        ranks can overflow, and a non-finite element makes its norm non-finite (as does a huge finite
+        tensor: then the check runs needlessly, which is only slower). When no rank needs the check, the
+        mean is finite and the check and its all-reduce are skipped; when one does (and there is no loss
+        scaler), every rank copies its flat gradient buffer before the reduction, to put back the
+        ``.grad`` views of :meth:`use_grad_buffer` before raising."""
+        if self.loss_scaler is not None:
+            return True
+        grads = [p.grad for p, r in zip(self._params, self.layout.params) if p.grad is not None and r.numel]
+        if not grads:
+            return False
+        limit = min(torch.finfo(b.dtype).max for b in self.grad_buffers.values()) / (2 * self.world_size)
+        largest = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)]).max()
+        return not bool(largest <= limit)  # a NaN norm compares false: checked
+
+    def _raise_non_finite(self, saved: dict | None = None) -> None:
         """Every rank agreed that some mean gradient holds ``inf``/``NaN`` and there is no loss scaler: find
-        the first such parameter over the group (one all-reduce, MIN) and raise on every rank."""
+        the first such parameter over the group (one all-reduce, MIN), put back the flat gradient buffers
+        from ``saved`` (their copies from before the reduction: the ``.grad`` views are then unchanged), and
+        raise on every rank."""
         first = len(self._params)
         for piece, grad in zip(self.pieces, self._piece_grads):
             if piece.index < first and not bool(torch.isfinite(grad).all()):  # the error path: syncs are fine
@@ -457,6 +485,9 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         index = torch.tensor([first], dtype=torch.float64, device=self.device)
         dist.all_reduce(index, op=dist.ReduceOp.MIN, group=self.process_group)
         index = int(index.item())
+        if saved is not None:
+            for dtype, buf in self.grad_buffers.items():
+                buf.copy_(saved[dtype])
         gi, pi = self._group_position(index)
         raise contract.NonFiniteGradientError(
             f"DistributedOptimizer.step: the mean gradient of parameter {index} (param_groups[{gi}]['params']"
@@ -521,11 +552,28 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         has_grad = [p.grad is not None for p in self._params]
+        # 0. one small all-reduce (MAX) before the flat gradient buffer is touched, since the .grad of
+        #    use_grad_buffer() are views of it: [failing rank + 1, the mean must be checked, has_grad...]
+        status = torch.tensor([self.rank + 1 if error is not None else 0,
+                               float(error is None and self._needs_check()), *has_grad],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+        status = status.tolist()
+        if error is not None:
+            raise error
+        if status[0]:
+            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
+                             "invalid input (see its error); nothing was changed on any rank")
+        # Without a loss scaler, a mean gradient with inf/NaN is an error, after which the .grad views must
+        # hold what they held: when some rank's gradients could give one, every rank keeps a copy to restore.
+        check = bool(status[1])
+        saved = ({dtype: buf.clone() for dtype, buf in self.grad_buffers.items()}
+                 if check and self.loss_scaler is None else None)
         # 1. the flat gradient of this rank (the model's .grad is only read). Padding is never written (the
         #    reduce-scatter of zeros gives zeros), so only the ranges without a gradient are zeroed.
         for i, (p, r) in enumerate(zip(self._params, self.layout.params)):
             if r.numel:
-                if p.grad is None or error is not None:
+                if p.grad is None:
                     self._grad_view(i).zero_()
                 elif p.grad.data_ptr() != self._grad_view(i).data_ptr():  # else: already there (in place)
                     self._grad_view(i).view(r.shape).copy_(p.grad)
@@ -542,20 +590,22 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                                    group=self.process_group)
                 shard_grads.append(shard)
         # 3. mean, unscale, look for inf/NaN on this rank's shards
-        found_inf = self._unscale_and_check(shard_grads) if error is None else False
-        # 4. one small all-reduce (MAX): [failing rank + 1, found_inf, has_grad of every parameter]
-        status = torch.tensor([self.rank + 1 if error is not None else 0, float(found_inf), *has_grad],
-                              dtype=torch.float64, device=self.device)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
-        status = status.tolist()
-        if error is not None:
-            raise error
-        if status[0]:
-            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
-                             "invalid input (see its error); nothing was changed on any rank")
-        found_inf = bool(status[1])
+        #    (no rank's gradients can make a mean non-finite, and no loss scaler: the mean alone)
+        if check:
+            found_inf = torch.tensor([float(self._unscale_and_check(shard_grads))], dtype=torch.float64,
+                                     device=self.device)
+            # 4. one small all-reduce (MAX) of found_inf: every rank skips (or raises) together
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+            found_inf = bool(found_inf.item())
+        else:
+            if shard_grads:
+                if is_power_of_two(self.world_size):  # exact: the same bits as the division
+                    torch._foreach_mul_(shard_grads, 1.0 / self.world_size)
+                else:
+                    torch._foreach_div_(shard_grads, float(self.world_size))
+            found_inf = False
         if found_inf and self.loss_scaler is None:
-            self._raise_non_finite()
+            self._raise_non_finite(saved)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         self.found_inf = found_inf
