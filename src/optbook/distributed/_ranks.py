@@ -56,19 +56,34 @@ def params_difference(every: list) -> str | None:
     return f"parameter {i}: " + ", ".join(parts)
 
 
+def validate_locally(opt) -> Exception | None:
+    """Run ``opt._validate()`` on this rank with its non-finite check off (the caller judges inf/NaN across
+    the ranks); return the error it raised (``TypeError``, ``ValueError``, ``RuntimeError``) or ``None``,
+    so that every rank can agree on the outcome before any of them raises."""
+    saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False
+    try:
+        opt._validate()
+    except (TypeError, ValueError, RuntimeError) as e:
+        return e
+    finally:
+        opt.refuse_nonfinite_grads = saved
+    return None
+
+
+def group_position(param_groups: list[dict], index: int) -> tuple[int, int]:
+    """``(group, position in the group)`` of parameter ``index`` in param-group order (for messages)."""
+    for gi, g in enumerate(param_groups):
+        if index < len(g["params"]):
+            return gi, index
+        index -= len(g["params"])
+    raise IndexError(index)
+
+
 def validate_on_every_rank(opt, name: str) -> list[bool]:
     """Validate ``opt``'s groups and gradients on this rank (non-finite values are judged later, after the
     mean), agree on the outcome with every rank (all raise if one does, before anything is written), and
     return which parameters have a gradient on any rank. Counts its control bytes in ``opt.comm_bytes``."""
-    try:
-        saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False  # judged after the mean
-        try:
-            opt._validate()
-        finally:
-            opt.refuse_nonfinite_grads = saved
-        error = None
-    except (TypeError, ValueError, RuntimeError) as e:
-        error = e
+    error = validate_locally(opt)
     has_grad = [p.grad is not None for p in opt._params]
     opt.comm_bytes["control"] += 8 * (1 + len(has_grad))
     return sync_status(error, opt.rank, has_grad, opt.process_group, opt.device, name)

@@ -35,6 +35,7 @@ from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite, raise_nonfinite
 from ..optim._sharded import is_dtensor, local
 from . import _muon_common as common
+from ._ranks import group_position, validate_locally
 from .layerwise_muon import lpt_assign, ns_cost
 
 __all__ = ["FSDP2Muon"]
@@ -175,15 +176,7 @@ class FSDP2Muon(Muon):
             for pi, p in enumerate(group["params"]):
                 if p.grad is not None and p.numel():
                     named.append((f"param_groups[{gi}]['params'][{pi}]", p))
-        try:
-            saved, self.refuse_nonfinite_grads = self.refuse_nonfinite_grads, False  # judged over the mesh below
-            try:
-                self._validate()
-            finally:
-                self.refuse_nonfinite_grads = saved
-            error = None
-        except (TypeError, ValueError, RuntimeError) as e:
-            error = e
+        error = validate_locally(self)   # inf/NaN judged over the mesh below
         nonfinite = (error is None and self.refuse_nonfinite_grads and bool(named)
                      and not all_finite(local([p.grad for _, p in named])))  # this rank's shards: no collective
         if self.process_group is None:
@@ -207,7 +200,7 @@ class FSDP2Muon(Muon):
             every = [None] * self.world_size
             dist.all_gather_object(every, present, group=self.process_group)
             i = next(i for i in range(len(present)) if len({e[i] for e in every}) > 1)
-            gi, pi = self._position(i)
+            gi, pi = group_position(self.param_groups, i)
             with_grad = [r for r in range(self.world_size) if every[r][i]]
             without = [r for r in range(self.world_size) if not every[r][i]]
             raise ValueError(f"FSDP2Muon.step: parameter {i} (param_groups[{gi}]['params'][{pi}], shape "
@@ -217,14 +210,6 @@ class FSDP2Muon(Muon):
                              "on any rank")
         if outcome == 1:
             raise_nonfinite(named)  # the same parameters on every rank: its flags agreed over the mesh
-
-    def _position(self, index: int) -> tuple[int, int]:
-        """``(group, position in the group)`` of parameter ``index`` (param-group order)."""
-        for gi, g in enumerate(self.param_groups):
-            if index < len(g["params"]):
-                return gi, index
-            index -= len(g["params"])
-        raise IndexError(index)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -52,7 +52,7 @@ from ..optim._validation import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
 from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
-from ._ranks import check_same_params
+from ._ranks import check_same_params, group_position
 from ._zero1_checkpoints import SHARDED_FORMAT, Zero1Checkpoints
 from ._zero1_layout import Bucket, Layout, ParamRange, Piece, is_power_of_two, shard_layout
 
@@ -488,20 +488,12 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         if saved is not None:
             for dtype, buf in self.grad_buffers.items():
                 buf.copy_(saved[dtype])
-        gi, pi = self._group_position(index)
+        gi, pi = group_position(self.param_groups, index)
         raise contract.NonFiniteGradientError(
             f"DistributedOptimizer.step: the mean gradient of parameter {index} (param_groups[{gi}]['params']"
             f"[{pi}], shape {self.layout.params[index].shape}) holds inf or NaN and there is no loss_scaler to "
             "skip the step; nothing was written on any rank. Find the source of the non-finite value, or pass "
             "loss_scaler= to skip such steps")
-
-    def _group_position(self, index: int) -> tuple[int, int]:
-        """``(group, position in the group)`` of parameter ``index`` (param-group order)."""
-        for gi, g in enumerate(self.param_groups):
-            if index < len(g["params"]):
-                return gi, index
-            index -= len(g["params"])
-        raise IndexError(index)
 
     @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
     def step(self, closure=None, *, extra_grad_sumsq: float | None = None):
