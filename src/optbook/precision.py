@@ -52,6 +52,7 @@ import torch
 from .contract import NonFiniteGradientError, VersionTracker, closure_loss, elementwise, owner_of, register_owner
 from .optim._validation import check_bool, check_grad, check_number, check_params
 from .optim._validation import check_int as _check_int
+from .optim._sharded import is_dtensor
 from .optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
@@ -487,14 +488,9 @@ def check_inner_steps_its_groups(optimizer) -> None:
                 "never be stepped and its update would be undone. Use the wrapper's own mixed precision where it has one (DistributedOptimizer "
                 "and OffloadOptimizer keep float32 masters of bfloat16 parameters themselves; under FSDP2, "
                 "fully_shard's MixedPrecisionPolicy), or wrap a single-process optimizer")
-        if any(_is_dtensor(p) for g in opt.param_groups for p in g["params"]):
+        if any(is_dtensor(p) for g in opt.param_groups for p in g["params"]):
             raise TypeError(f"Invalid optimizer: {name} steps FSDP2-sharded (DTensor) parameters; use "
                             "fully_shard's MixedPrecisionPolicy for bfloat16 compute over float32 shards")
-
-
-def _is_dtensor(p) -> bool:
-    from .optim._sharded import is_dtensor
-    return is_dtensor(p)
 
 
 def _members(optimizer) -> list:

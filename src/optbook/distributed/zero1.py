@@ -448,11 +448,20 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         scale = self.loss_scale
         if is_power_of_two(self.world_size) and is_power_of_two(scale):
             return unscale_grads_(shard_grads, self.world_size * scale)
-        for g in shard_grads:
-            g.div_(self.world_size)
+        self._mean_(shard_grads)
         if self.loss_scaler is None:
             return not all_finite(shard_grads)
         return unscale_grads_(shard_grads, scale)
+
+    def _mean_(self, shard_grads: list[torch.Tensor]) -> None:
+        """Divide the summed shards by the world size in place (by ``1 / d`` when ``d`` is a power of two:
+        exactly the same bits, one multiply)."""
+        if not shard_grads:
+            return
+        if is_power_of_two(self.world_size):
+            torch._foreach_mul_(shard_grads, 1.0 / self.world_size)
+        else:
+            torch._foreach_div_(shard_grads, float(self.world_size))
 
     def _needs_check(self) -> bool:
         """Whether the mean gradient must be checked for ``inf``/``NaN`` after the reduction: always with a
@@ -590,11 +599,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
             found_inf = bool(found_inf.item())
         else:
-            if shard_grads:
-                if is_power_of_two(self.world_size):  # exact: the same bits as the division
-                    torch._foreach_mul_(shard_grads, 1.0 / self.world_size)
-                else:
-                    torch._foreach_div_(shard_grads, float(self.world_size))
+            self._mean_(shard_grads)
             found_inf = False
         if found_inf and self.loss_scaler is None:
             self._raise_non_finite(saved)
