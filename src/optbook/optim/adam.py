@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ._blocks import GRAIN, for_blocks, usable
 from ._functional import LOW_PRECISION, in_float32, use_foreach, write_back
 from ._sharded import local
 from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
@@ -52,11 +53,13 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
         lr, beta1, beta2, eps, weight_decay: hyperparameters (not re-validated here).
         decoupled_weight_decay: AdamW's ``p *= 1 - lr * weight_decay`` instead of L2 in the gradient.
-        foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The CPU path walks the tensors one
-            at a time and reuses one scratch buffer for ``sqrt(v)``, which avoids a fresh allocation
-            (and its page faults) per parameter; tensors under 32768 elements (which ATen's CPU kernels run
-            on one thread) go through the foreach kernels together, one Python call per operation. Both
-            paths compute every element with the same operations, so they agree bitwise.
+        foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The other path runs tensors under
+            32768 elements (which ATen's CPU kernels run on one thread) through the foreach kernels
+            together, one Python call per operation, and cuts the larger contiguous CPU tensors into
+            blocks stepped by worker threads, every line on one block before the next block
+            (:mod:`optbook.optim._blocks`: one wake-up of the threads per step instead of one per line per
+            tensor); anything else is stepped a whole tensor at a time. Every path computes every element
+            with the same operations, so they agree bitwise.
         amsgrad: divide by the running maximum of ``v``, kept in ``max_exp_avg_sqs`` (one tensor per
             parameter, updated in place; required when ``amsgrad``).
         maximize: step along ``+g`` (gradient ascent).
@@ -80,62 +83,50 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         grads = torch._foreach_neg(grads)
     c1 = [1 - beta1 ** t for t in steps]
     c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
-    if foreach:
-        everything = range(len(params))
-    else:  # tensors too small for an intra-op thread pool go together through the foreach kernels:
-        # the same kernels one tensor at a time, bitwise the same, with one Python call per op
-        everything = [i for i, p in enumerate(params) if p.numel() < _SMALL]
-
-    def pick(xs):
-        return [xs[i] for i in everything]
-    ps = pick(params)
-    if weight_decay and decoupled_weight_decay:
-        if ps:
-            torch._foreach_mul_(ps, 1 - lr * weight_decay)
-        if not foreach:
-            for i, p in enumerate(params):
-                if p.numel() >= _SMALL:
-                    p.mul_(1 - lr * weight_decay)
-    elif weight_decay:
+    decay = weight_decay and decoupled_weight_decay
+    if weight_decay and not decoupled_weight_decay:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
 
-    if everything:
-        gs, ms, vs = pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
+    def together(indices):  # every line for a list of parameters, one torch._foreach_* call per line
+        ps, gs, ms, vs = ([xs[i] for i in indices] for xs in (params, grads, exp_avgs, exp_avg_sqs))
+        if decay:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
         torch._foreach_lerp_(ms, gs, 1 - beta1)
         torch._foreach_mul_(vs, beta2)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
         if amsgrad:
-            maxs = pick(max_exp_avg_sqs)
+            maxs = [max_exp_avg_sqs[i] for i in indices]
             torch._foreach_maximum_(maxs, vs)
-            denoms = torch._foreach_sqrt(maxs)
-        else:
-            denoms = torch._foreach_sqrt(vs)
-        torch._foreach_add_(denoms, [eps * c2[i] for i in everything])
-        torch._foreach_addcdiv_(ps, ms, denoms, [-lr * c2[i] / c1[i] for i in everything])
-    if foreach:
-        return
+            vs = maxs
+        denoms = torch._foreach_sqrt(vs)
+        torch._foreach_add_(denoms, [eps * c2[i] for i in indices])
+        torch._foreach_addcdiv_(ps, ms, denoms, [-lr * c2[i] / c1[i] for i in indices])
 
-    done = set(everything)
-    sizes: dict = {}
-    for i, v in enumerate(exp_avg_sqs):
-        if i not in done:
-            sizes[v.device, v.dtype] = max(sizes.get((v.device, v.dtype), 0), v.numel())
-    scratch = {key: torch.empty(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
-    for i, (p, g, m, v, a, b) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, c1, c2)):
-        if i in done:
-            continue
+    def one(i, p, g, m, v, *more):  # every line for one parameter or one block of it
+        if decay:
+            p.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if amsgrad:
-            v = torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
-        out = scratch[v.device, v.dtype][: v.numel()].view_as(v) if v.is_contiguous() else None
-        denom = torch.sqrt(v, out=out)
-        denom.add_(eps * b)
-        p.addcdiv_(m, denom, value=-lr * b / a)
+            v = torch.maximum(more[0], v, out=more[0])
+        denom = torch.sqrt(v, out=more[-1])
+        denom.add_(eps * c2[i])
+        p.addcdiv_(m, denom, value=-lr * c2[i] / c1[i])
 
-
-#: Below this many elements an element-wise CPU kernel runs on one thread (ATen's ``GRAIN_SIZE``).
-_SMALL = 32768
+    if foreach:
+        together(range(len(params)))
+        return
+    # tensors too small for an intra-op thread pool go together through the foreach kernels (the same
+    # kernels one tensor at a time, bitwise the same, one Python call per line), on a worker thread
+    small = [i for i, p in enumerate(params) if p.numel() < GRAIN]
+    rows = {i: (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *([max_exp_avg_sqs[i]] if amsgrad else []))
+            for i in range(len(params)) if params[i].numel() >= GRAIN}
+    blocked = [i for i, row in rows.items() if usable(row)]
+    for_blocks(lambda k, *views: one(blocked[k], *views), [rows[i] for i in blocked],
+               extra=[(lambda: together(small), sum(params[i].numel() for i in small))] if small else ())
+    for i, row in rows.items():  # a non-contiguous tensor, or foreach=False off the CPU: whole tensors
+        if i not in blocked:
+            one(i, *row, None)
 
 
 class _AdamBase(BookOptimizer):

@@ -42,6 +42,7 @@ import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
 from . import _sharded
+from ._blocks import GRAIN, for_blocks, usable
 from ._validation import check_grad, check_matrices, check_params
 
 
@@ -190,8 +191,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     maximum or minimum, ``+-inf`` is one, and a large finite value cannot overflow them. On an
     accelerator the extremes are read with ``torch._foreach_norm(..., ord=inf)`` (one fused launch per
     device). On the CPU that norm takes a path about 10x slower than the 2-norm, so the 2-norms are
-    computed first (``torch._foreach_norm``, the fastest pass measured there): all finite means every
-    element is (a NaN or ``inf`` element makes its norm non-finite). Only when one is not -- a non-finite
+    computed first (the fastest pass measured there; block by block on worker threads for the large
+    contiguous tensors, ``torch._foreach_norm`` for the others): all finite means every element is (a
+    NaN or ``inf`` element makes its norm non-finite). Only when one is not -- a non-finite
     element, or a huge finite tensor whose sum of squares overflows -- or when a tensor is float16 (whose
     norm overflows at 65504, as scaled gradients' norms do) are the extremes read with ``torch.aminmax``
     per tensor to decide exactly. Empty tensors are skipped. Only the ``bool`` of each
@@ -218,7 +220,7 @@ def _local_all_finite(tensors: list[torch.Tensor]) -> bool:
     for device, ts in by_device.items():
         if device.type == "cpu":
             no_float16 = all(t.dtype != torch.float16 for t in ts)   # a float16 norm overflows at 65504
-            if no_float16 and bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, 2))).all()):
+            if no_float16 and _cpu_norms_finite(ts):
                 continue
             extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in ts])
         else:
@@ -226,6 +228,21 @@ def _local_all_finite(tensors: list[torch.Tensor]) -> bool:
         if not bool(torch.isfinite(extremes).all()):
             return False
     return True
+
+
+def _cpu_norms_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether the 2-norm of every CPU tensor, taken block by block for the large contiguous ones, is
+    finite; computed on the worker threads of :func:`optbook.optim._blocks.for_blocks` (one wake-up of
+    the threads instead of one per tensor: measured 4.9 ms -> 2.6 ms on the README benchmark's gradients)."""
+    large = [t for t in tensors if t.numel() >= GRAIN and usable([t])]
+    rest = [t for t in tensors if t.numel() < GRAIN or not usable([t])]
+    norms: list[torch.Tensor] = []   # list.append is atomic: the workers append their blocks' norms
+
+    def together() -> None:
+        norms.extend(torch._foreach_norm(rest, 2))
+    for_blocks(lambda i, block, scratch: norms.append(torch.linalg.vector_norm(block)), [[t] for t in large],
+               extra=[(together, sum(t.numel() for t in rest))] if rest else ())
+    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 class BookOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,191 @@
+"""An element-wise CPU step run over blocks of its tensors on worker threads, one hand-off per step.
+
+Why (measured in ``benchmarks/bench_adamw.py``, README): on the CPU every ATen operation over a tensor of
+32768 elements or more (2048 for ``sqrt``, which goes through the vector math library) is one OpenMP
+parallel region, and with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep; the setting every ``make``
+target uses) each region pays for waking the sleeping threads: tens of microseconds, several times the
+work of a region on a 2-core machine. An optimizer written as one operation per line pays that once per
+line per tensor -- torch's for-loop AdamW ran no faster on two threads than on one. Here the tensors are
+cut into blocks of :data:`BLOCK` elements (1 MiB of float32 per tensor), the blocks dealt out to
+``torch.get_num_threads()`` persistent worker threads in contiguous runs of equal element count, and each
+worker runs every line of the step on one block after the other with single-threaded kernels (its
+intra-op thread count is 1). The threads are woken once per step, and a block's lines run while it is
+still in the cache. Element-wise kernels compute each element by the same instructions whatever the
+block boundaries (the vector loop and its scalar tail agree bitwise; a test checks it), so the result
+is bitwise the result of the whole-tensor operations.
+
+This is the CPU counterpart of the chunking in ``torch._foreach_*``'s CUDA kernels (``multi_tensor_apply``
+in ``aten/src/ATen/native/cuda/MultiTensorApply.cuh``): cut every tensor into chunks, run one fused piece
+of work per chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["BLOCK", "GRAIN", "for_blocks", "usable"]
+
+#: Below this many elements an element-wise ATen CPU kernel runs on the calling thread (ATen's
+#: ``at::internal::GRAIN_SIZE``); ``sqrt`` and the other vector-math functions split far smaller tensors.
+GRAIN = 32768
+
+#: Elements per block: 1 MiB of float32 per tensor, large enough that the Python call per line costs
+#: little next to the line's work (blocks of 32 Ki elements made AdamW's step slower than torch's loop on
+#: 2 threads; 128 Ki to 4 Mi were within the run-to-run noise of each other), small enough that a block
+#: of each of a step's tensors stays in a core's cache between the lines.
+BLOCK = 1 << 18
+
+
+def usable(row: Sequence[torch.Tensor]) -> bool:
+    """Whether one parameter's tensors (``p``, ``g``, its state...) can be cut into blocks: all on the
+    CPU and contiguous (so that a flat view of each exists and element ``i`` of every view is element
+    ``i`` of the others)."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in row)
+
+
+class _Workers:
+    """Persistent daemon threads, each with one intra-op thread and autograd off, fed one task list per
+    step. Created on first use; a forked child process starts without them (threads do not survive
+    ``fork``) and makes its own."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.inboxes: list[queue.SimpleQueue] = []
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # one step at a time (two threads stepping share the workers)
+
+    def ensure(self, n: int) -> None:
+        if len(self.threads) >= n:
+            return
+        caller = torch.get_num_threads()
+        ready = threading.Barrier(n - len(self.threads) + 1)
+        for _ in range(n - len(self.threads)):
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(inbox, ready), daemon=True,
+                                      name=f"optbook-block-{len(self.threads)}")
+            thread.start()
+            self.threads.append(thread)
+            self.inboxes.append(inbox)
+        ready.wait()
+        # torch.set_num_threads also sets the default that threads created later start from: put the
+        # caller's number back there (a worker's own setting is its thread's and stays 1)
+        torch.set_num_threads(caller)
+
+    def _serve(self, inbox: queue.SimpleQueue, ready: threading.Barrier) -> None:
+        torch.get_num_threads()    # take the process default first, so that it cannot overwrite ours later
+        torch.set_num_threads(1)   # this thread's kernels run on it alone
+        torch.set_grad_enabled(False)
+        ready.wait()
+        while True:
+            tasks = inbox.get()
+            try:
+                for function, args in tasks:
+                    function(*args)
+                self.results.put(None)
+            except BaseException as error:  # noqa: BLE001 -- handed to the stepping thread, raised there
+                self.results.put(error)
+
+    def run(self, shares: list[list[tuple[Callable, tuple]]]) -> None:
+        """Run each share's ``function(*args)`` calls in order on its own worker; raise the first error."""
+        with self.lock:
+            self.ensure(len(shares))
+            for inbox, tasks in zip(self.inboxes, shares):
+                inbox.put(tasks)
+            errors = [self.results.get() for _ in shares]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+_workers = _Workers()
+
+
+def _reset_after_fork() -> None:
+    global _workers
+    _workers = _Workers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def for_blocks(work: Callable, rows: Sequence[Sequence[torch.Tensor]], *, block: int = BLOCK,
+               extra: Sequence[tuple[Callable[[], None], int]] = ()) -> None:
+    """Call ``work(i, *views, scratch)`` for every block of every row, the blocks spread over worker threads.
+
+    Args:
+        work: the step's lines for one block, writing in place into the views. ``i`` is the row's index in
+            ``rows`` (to look up per-parameter numbers such as a bias correction); ``views`` are flat views
+            of the same ``block`` (or fewer, at a row's end) elements of each tensor of the row; ``scratch``
+            is a buffer of as many elements and the dtype of the row's first tensor, private to the thread.
+            It runs with autograd off and one intra-op thread; it must touch nothing outside its views.
+        rows: one sequence of tensors per parameter, each satisfying :func:`usable`, all of a row with
+            the same number of elements.
+        block: elements per block (a multiple of 64 keeps every block's vector loop aligned as in the
+            whole tensor).
+        extra: more work for the workers, as ``(function, elements)``: each function is called once with no
+            argument, in a worker, under the same settings, and counts as ``elements`` in the dealing. The
+            optimizers hand their small tensors' ``torch._foreach_*`` lines over this way: on the calling
+            thread their ``sqrt`` alone woke the threads once per tensor (66 tensors: 5.6 ms of a step, 0.8 ms
+            on a worker, measured on the README's benchmark tensors).
+
+    Raises:
+        ValueError: a row whose tensors differ in number of elements, or that is not :func:`usable`.
+        Whatever ``work`` or an ``extra`` function raises, after every worker has finished its share
+        (blocks already done stay done).
+
+    With ``torch.get_num_threads() == 1``, or a single task, everything runs in the calling thread.
+    """
+    tasks: list[tuple[int, Callable, tuple]] = [(elements, function, ()) for function, elements in extra]
+    for i, row in enumerate(rows):
+        n = row[0].numel()
+        if any(t.numel() != n for t in row) or not usable(row):
+            raise ValueError(f"Invalid rows[{i}]: blocks need contiguous CPU tensors of one size, "
+                             f"got {[(tuple(t.shape), t.device.type, t.is_contiguous()) for t in row]}")
+        flat = [t.view(-1) for t in row]
+        tasks += [(min(block, n - start), _BlockCall(work, block), (i, *(f[start:start + block] for f in flat)))
+                  for start in range(0, n, block)]
+    if not tasks:
+        return
+    n_workers = min(torch.get_num_threads(), len(tasks))
+    if n_workers <= 1:
+        with torch.no_grad():
+            for _, function, args in tasks:
+                function(*args)
+        return
+    # contiguous runs of about equal element count, one per worker
+    total = max(sum(elements for elements, _, _ in tasks), 1)
+    shares: list[list[tuple[Callable, tuple]]] = [[] for _ in range(n_workers)]
+    done = 0
+    for elements, function, args in tasks:
+        shares[min(done * n_workers // total, n_workers - 1)].append((function, args))
+        done += elements
+    _workers.run([share for share in shares if share])
+
+
+class _BlockCall:
+    """``work(i, *views, scratch)`` with the calling thread's scratch buffer for the views' dtype."""
+
+    def __init__(self, work: Callable, block: int) -> None:
+        self.work, self.block = work, block
+
+    def __call__(self, i: int, *views: torch.Tensor) -> None:
+        self.work(i, *views, _scratch(views[0].dtype, self.block)[:views[0].numel()])
+
+
+_local = threading.local()
+
+
+def _scratch(dtype: torch.dtype, size: int) -> torch.Tensor:
+    """A buffer of ``size`` elements of ``dtype``, kept per thread from one step to the next (a fresh
+    megabyte per step would be a fresh mapping and its page faults)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < size:
+        buffer = buffers[dtype] = torch.empty(size, dtype=dtype)
+    return buffer
