@@ -15,6 +15,14 @@ has. The number printed is therefore called an *estimate*: with the best of the 
 AdamW still ran at 0.90x of it in one run on a loaded 2-core machine, so it is not a lower bound there
 either; the script says which way it came out.
 
+optbook's CPU step (``optbook.optim.adam``, ``optbook.optim._blocks``) cuts the large tensors into blocks
+of 1 MiB that worker threads step with single-threaded kernels, every line of the update on one block
+before the next, and runs the small tensors' ``foreach`` lines and the non-finite check's norms on the
+same workers: the threads wake once per step. torch's for-loop and foreach run each line over each
+tensor as one OpenMP parallel region, which under ``OMP_WAIT_POLICY=PASSIVE`` wakes the sleeping threads
+each time (``sqrt`` even for tensors of 128 elements); "torch for-loop 1 thread" shows what its second
+thread buys.
+
 Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
 """
 
@@ -60,7 +68,7 @@ def make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
     if kind == "optbook":
         return AdamW(params, **kw)
     mode = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
-            "torch fused": dict(fused=True)}[kind]
+            "torch fused": dict(fused=True), "torch for-loop 1 thread": dict(foreach=False)}[kind]
     return torch.optim.AdamW(params, **kw, **mode)
 
 
@@ -71,7 +79,10 @@ def verdict(ratio: float) -> str:
 def main() -> None:
     args, shapes, base, grads = timing_setup(__doc__, rounds=11)
     numel = sum(p.numel() for p in base)
-    kinds = ["optbook", "torch for-loop", "torch foreach", "torch fused"]
+    kinds = ["optbook", "torch for-loop", "torch foreach", "torch fused", "torch for-loop 1 thread"]
+    # the last runs on one intra-op thread: what the second thread buys torch's loop (the wake-ups of
+    # OMP_WAIT_POLICY=PASSIVE, once per line per tensor, can eat it; optbook's blocks pay them once per step)
+    threads = {kind: 1 if kind.endswith("1 thread") else args.threads for kind in kinds}
     optimizers, params = {}, {}
     for kind in kinds:
         params[kind] = [p.clone().requires_grad_() for p in base]
@@ -96,13 +107,13 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in kinds + list(passes)}
     for _ in range(args.rounds):
         for kind in kinds:
-            timer = Timer("opt.step()", globals={"opt": optimizers[kind]}, num_threads=args.threads)
+            timer = Timer("opt.step()", globals={"opt": optimizers[kind]}, num_threads=threads[kind])
             times[kind].append(timer.timeit(5).median)
         for name, (stmt, env, _) in passes.items():
             timer = Timer(stmt, globals=env, num_threads=args.threads)
             times[name].append(timer.timeit(5).median)
 
-    # the four trajectories must agree (same algorithm, same inputs): a benchmark of a wrong result is void
+    # the trajectories must agree (same algorithm, same inputs): a benchmark of a wrong result is void
     reference = params["torch for-loop"]
     for kind in kinds:
         diff = max(float((a - b).detach().abs().max()) for a, b in zip(params[kind], reference))
@@ -123,9 +134,9 @@ def main() -> None:
     lines.append(f"memory-traffic estimate {traffic_ms:.1f} ms (28 bytes per parameter at the best measured bandwidth, {best}); "
           + ("a lower bound in this run: no implementation beat it" if min(median[k] for k in kinds) >= traffic_ms
              else "NOT a lower bound in this run: an implementation beat it (its passes stream worse than the fused step)"))
-    lines.append(f"{'implementation':<16} {'ms/step':>8} {'vs optbook':>11} {'vs traffic':>10}")
+    lines.append(f"{'implementation':<23} {'ms/step':>8} {'vs optbook':>11} {'vs traffic':>10}")
     for kind in kinds:
-        lines.append(f"{kind:<16} {median[kind]:8.1f} {median[kind] / median['optbook']:10.2f}x "
+        lines.append(f"{kind:<23} {median[kind]:8.1f} {median[kind] / median['optbook']:10.2f}x "
               f"{median[kind] / traffic_ms:9.2f}x")
     ratio = median["optbook"] / baseline
     # the same ratio within each round (the contenders ran back to back): a slow stretch of a shared machine
