@@ -49,7 +49,7 @@ from .. import contract
 from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from ..optim._validation import check_grad, check_number
-from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
+from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
 from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
 from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
 from ._ranks import check_same_params, group_position
@@ -622,10 +622,13 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         if extra_grad_sumsq is not None or self.max_grad_norm is not None:
             self.last_grad_norm = _clip_by_group_norm(stepped, self.max_grad_norm, self.process_group,
                                                       None if extra_grad_sumsq is None else float(extra_grad_sumsq))
-        # 7. the inner step on this rank's shard, with the hyperparameters of param_groups
+        # 7. the inner step on this rank's shard, with the hyperparameters of param_groups. Its own look
+        #    for inf/NaN would be a second pass: the mean is known finite here (checked in 3, or bounded
+        #    by every rank's norms in 0), and clipping scales it by at most 1
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
-        self.optimizer.step()
+        with nonfinite_checked_by_caller([self.optimizer]):
+            self.optimizer.step()
         for target in self._piece_params:
             target.grad = None
         # 8. masters -> low-precision parameter shard; 9. all-gather the parameters

@@ -1,18 +1,18 @@
 """An element-wise CPU step run over blocks of its tensors on worker threads, one hand-off per step.
 
 Why (measured in ``benchmarks/bench_adamw.py``, README): on the CPU every ATen operation over a tensor of
-32768 elements or more (2048 for ``sqrt``, which goes through the vector math library) is one OpenMP
-parallel region, and with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep; the setting every ``make``
-target uses) each region pays for waking the sleeping threads: tens of microseconds, several times the
-work of a region on a 2-core machine. An optimizer written as one operation per line pays that once per
-line per tensor -- torch's for-loop AdamW ran no faster on two threads than on one. Here the tensors are
-cut into blocks of :data:`BLOCK` elements (1 MiB of float32 per tensor), the blocks dealt out to
-``torch.get_num_threads()`` persistent worker threads in contiguous runs of equal element count, and each
-worker runs every line of the step on one block after the other with single-threaded kernels (its
-intra-op thread count is 1). The threads are woken once per step, and a block's lines run while it is
-still in the cache. Element-wise kernels compute each element by the same instructions whatever the
-block boundaries (the vector loop and its scalar tail agree bitwise; a test checks it), so the result
-is bitwise the result of the whole-tensor operations.
+32768 elements or more (from 128 elements for ``sqrt``, which goes through the vector-math library) is
+one OpenMP parallel region, and with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep; the setting every
+``make`` target uses) each region pays for waking the sleeping threads: about 80 microseconds on the
+2-core machine measured, more than the work of a region over a small tensor. An optimizer written as one
+operation per line pays that once per line per tensor: torch's for-loop AdamW ran no faster on two
+threads than on one. Here the tensors are cut into blocks of :data:`BLOCK` elements (1 MiB of float32 per
+tensor), the blocks dealt out to ``torch.get_num_threads()`` persistent worker threads in contiguous runs
+of equal element count, and each worker runs every line of the step on one block after the other with
+single-threaded kernels (its intra-op thread count is 1). The threads are woken once per step. Element-wise
+kernels compute each element by the same instructions whatever the block boundaries (the vector loop and
+its scalar tail agree bitwise; a test checks it), so the result is bitwise the result of the whole-tensor
+operations.
 
 This is the CPU counterpart of the chunking in ``torch._foreach_*``'s CUDA kernels (``multi_tensor_apply``
 in ``aten/src/ATen/native/cuda/MultiTensorApply.cuh``): cut every tensor into chunks, run one fused piece
@@ -34,10 +34,10 @@ __all__ = ["BLOCK", "GRAIN", "for_blocks", "usable"]
 #: ``at::internal::GRAIN_SIZE``); ``sqrt`` and the other vector-math functions split far smaller tensors.
 GRAIN = 32768
 
-#: Elements per block: 1 MiB of float32 per tensor, large enough that the Python call per line costs
-#: little next to the line's work (blocks of 32 Ki elements made AdamW's step slower than torch's loop on
-#: 2 threads; 128 Ki to 4 Mi were within the run-to-run noise of each other), small enough that a block
-#: of each of a step's tensors stays in a core's cache between the lines.
+#: Elements per block: 1 MiB of float32 per tensor. Smaller blocks mean more Python calls, and the two
+#: workers then wait on each other for Python's interpreter lock more often (one measurement of AdamW's
+#: step on 2 threads: 50 ms at 64 Ki elements, 42 at 128 Ki, 38 at 256 Ki, 37 at 1 Mi); larger ones leave
+#: the last worker's share less even.
 BLOCK = 1 << 18
 
 
