@@ -232,3 +232,34 @@ def test_extra_work_runs_once_on_a_worker_next_to_the_blocks():
             for_blocks(lambda *a: None, [], extra=[(lambda: 1 / 0, 1), (lambda: None, 1)])
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_kill"), reason="needs signal.pthread_kill")
+def test_an_interrupted_wait_returns_only_after_every_worker_is_done():
+    # Ctrl-C in a notebook while the workers step: the KeyboardInterrupt reaches the caller only once no
+    # worker writes any more, and the next call is not confused by the interrupted one's results
+    import signal
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("the test interrupts the main thread")
+    main = threading.main_thread().ident
+
+    def work(i, x, scratch):
+        if x[0] == 0:
+            signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.3)
+        x.add_(1)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.arange(2.0).repeat_interleave(1024)
+        with pytest.raises(KeyboardInterrupt):
+            for_blocks(work, [[x]], block=1024)
+        assert torch.equal(x, torch.arange(2.0).repeat_interleave(1024) + 1)  # both blocks written
+        y = torch.zeros(4096)
+        for_blocks(lambda i, y, s: y.add_(1), [[y]], block=1024)
+        assert torch.equal(y, torch.ones(4096))
+    finally:
+        torch.set_num_threads(previous)

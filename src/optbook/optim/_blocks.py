@@ -58,6 +58,7 @@ class _Workers:
         self.inboxes: list[queue.SimpleQueue] = []
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # one step at a time (two threads stepping share the workers)
+        self.generation = 0           # which run a result belongs to
 
     def ensure(self, n: int) -> None:
         if len(self.threads) >= n:
@@ -82,24 +83,43 @@ class _Workers:
         torch.set_grad_enabled(False)
         ready.wait()
         while True:
-            tasks = inbox.get()
+            generation, tasks = inbox.get()
             try:
                 for function, args in tasks:
                     function(*args)
-                self.results.put(None)
+                self.results.put((generation, None))
             except BaseException as error:  # noqa: BLE001 -- handed to the stepping thread, raised there
-                self.results.put(error)
+                self.results.put((generation, error))
 
     def run(self, shares: list[list[tuple[Callable, tuple]]]) -> None:
-        """Run each share's ``function(*args)`` calls in order on its own worker; raise the first error."""
+        """Run each share's ``function(*args)`` calls in order on its own worker; raise the first error.
+
+        Returns only when every worker has finished its share, also when the wait is interrupted
+        (``KeyboardInterrupt`` in a notebook): the interruption is raised after that, so that no worker
+        writes into the tensors once the caller has the control back."""
         with self.lock:
             self.ensure(len(shares))
+            self.generation += 1
             for inbox, tasks in zip(self.inboxes, shares):
-                inbox.put(tasks)
-            errors = [self.results.get() for _ in shares]
+                inbox.put((self.generation, tasks))
+            errors: list[BaseException | None] = []
+            try:
+                self._collect(errors, len(shares))
+            except BaseException:
+                self._collect(errors, len(shares))
+                raise
         for error in errors:
             if error is not None:
                 raise error
+
+
+    def _collect(self, errors: list, n: int) -> None:
+        """Append this run's results to ``errors`` until there are ``n`` (a result of an earlier,
+        interrupted run is dropped; each worker ran that run's share before this one's)."""
+        while len(errors) < n:
+            generation, error = self.results.get()
+            if generation == self.generation:
+                errors.append(error)
 
 
 _workers = _Workers()
