@@ -110,20 +110,26 @@ class FSDP2Muon(Muon):
     def _global_rank(self, mesh_rank: int) -> int:
         return dist.get_global_rank(self.process_group, mesh_rank)
 
-    def _to_owner(self, rows: torch.Tensor, shape: tuple, owner: int) -> torch.Tensor | None:
-        """Gather the row shards of one ``shape`` matrix on ``owner``: the full matrix there, ``None`` elsewhere."""
+    def _to_owner(self, rows: torch.Tensor, shape: tuple, owner: int):
+        """Start gathering the row shards of one ``shape`` matrix on ``owner`` (``async_op``: every matrix's
+        gather is in flight before the first is waited on). Returns ``(work, finish)``: after
+        ``work.wait()``, ``finish()`` is the full matrix on ``owner``, ``None`` elsewhere."""
         sizes = _row_chunks(shape[0], self.world_size)
         pad = max(sizes)
         send = rows.new_zeros((pad, shape[1]))
         send[: rows.shape[0]].copy_(rows)
         recv = [torch.empty_like(send) for _ in sizes] if self.rank == owner else None
-        dist.gather(send, recv, dst=self._global_rank(owner), group=self.process_group)
-        if self.rank != owner:
-            return None
-        return torch.cat([r[:n] for r, n in zip(recv, sizes)])
+        work = dist.gather(send, recv, dst=self._global_rank(owner), group=self.process_group, async_op=True)
 
-    def _from_owner(self, full: torch.Tensor | None, shape: tuple, owner: int, like: torch.Tensor) -> torch.Tensor:
-        """Scatter ``full`` (on ``owner``) back as row shards: this rank's rows of it."""
+        def finish():
+            if self.rank != owner:
+                return None
+            return torch.cat([r[:n] for r, n in zip(recv, sizes)])
+        return work, finish
+
+    def _from_owner(self, full: torch.Tensor | None, shape: tuple, owner: int, like: torch.Tensor):
+        """Start scattering ``full`` (on ``owner``) back as row shards (``async_op``). Returns ``(work, rows)``:
+        after ``work.wait()``, ``rows`` is this rank's rows of it."""
         sizes = _row_chunks(shape[0], self.world_size)
         pad = max(sizes)
         recv = like.new_empty((pad, shape[1]))
@@ -135,8 +141,8 @@ class FSDP2Muon(Muon):
                 c[:n].copy_(full[row:row + n])
                 chunks.append(c)
                 row += n
-        dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group)
-        return recv[: sizes[self.rank]]
+        work = dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group, async_op=True)
+        return work, recv[: sizes[self.rank]]
 
     def predicted_received_bytes(self, with_grad=None) -> dict:
         """Bytes this rank receives in one :meth:`step`, by the design: for each matrix ``(m, n)`` of
@@ -259,17 +265,22 @@ class FSDP2Muon(Muon):
                 (d,) = momentum_directions(local([state["momentum_buffer"]]), [g], group["momentum"],
                                            group["nesterov"])
                 entries.append((i, p, d))
+            # every rank takes part in every matrix's gather, in the same order; all are in flight at once
+            gathers = [(i, *self._to_owner(d, tuple(p.shape), self.owners[i])) for i, p, d in entries]
             full = {}
-            for i, p, d in entries:  # every rank takes part in every matrix's gather, in the same order
-                gathered = self._to_owner(d, tuple(p.shape), self.owners[i])
+            for i, work, finish in gathers:
+                work.wait()
+                gathered = finish()
                 if gathered is not None:
                     full[i] = gathered
             mine = sorted(full)
             updates = dict(zip(mine, common.scaled_orthogonal([full[i] for i in mine], group))) if mine else {}
             self.ns_calls += len(mine)
             lr, wd = group["lr"], group["weight_decay"]
-            for i, p, d in entries:
-                rows = self._from_owner(updates.get(i), tuple(p.shape), self.owners[i], d)
+            scatters = [(p, *self._from_owner(updates.get(i), tuple(p.shape), self.owners[i], d))
+                        for i, p, d in entries]
+            for p, work, rows in scatters:
+                work.wait()
                 w = local([p])[0]
                 w.mul_(1 - lr * wd)
                 w.sub_(rows, alpha=lr)
