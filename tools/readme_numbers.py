@@ -14,6 +14,7 @@ KEY                      record (written by)
 ``zero1-targets``        the ``history`` of ``benchmarks/results/bench_zero1.json``
 ``adamw-runs``           the ``history`` of ``benchmarks/results/bench_adamw.json``
 ``compiled-runs``        the ``history`` of ``benchmarks/results/bench_compiled_step.json``
+``fsdp2-runs``           the ``history`` of ``benchmarks/results/bench_fsdp2.json``
 ``pdf``                  ``records/pdf.json`` (``make pdf``: ``tools/build_pdf.py``)
 ``book-link``            ``repository.url`` in ``_config.yml`` (the GitHub Pages address of the built book)
 ``install``              ``repository.url`` (the package's install lines)
@@ -103,6 +104,16 @@ def zero1_targets() -> str:
         out.append(f"| {env['date']} | {env['cpu']} | {run['what']} | {env['load_average_1min']} | "
                    + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def fsdp2_runs() -> str:
+    rec = load(RESULTS / "bench_fsdp2.json")
+    rows = ["| date | CPU | runs | source | FSDP2 + Muon / FSDP2 + AdamW | turbo |", "|---|---|---|---|---|---|"]
+    for run in rec["history"]:
+        env = run["environment"]
+        turbo = ", ".join(f"{v:.2f}" for v in run["ratios_turbo"])
+        rows.append(f"| {env['date']} | {env['cpu']} | {run['what']} | {env.get('note', '')} | {ratios(run)} | {turbo} |")
+    return "\n".join(rows) + "\n"
 
 
 def adamw_runs() -> str:
@@ -208,7 +219,7 @@ def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
     makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
-              "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "pdf": pdf_block,
+              "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "fsdp2-runs": fsdp2_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
     if key not in makers:
         raise KeyError(f"README marker numbers:{key} names no record (known: {sorted(makers)} and bench:NAME)")
