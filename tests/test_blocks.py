@@ -263,3 +263,95 @@ def test_an_interrupted_wait_returns_only_after_every_worker_is_done():
         assert torch.equal(y, torch.ones(4096))
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_step_inside_inference_mode_works_as_on_the_foreach_path():
+    # state created inside inference_mode is an inference tensor: the workers must update it in that mode
+    results = []
+    for foreach in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(3 * BLOCK))
+        small = torch.nn.Parameter(torch.randn(100))
+        p.grad, small.grad = torch.randn_like(p), torch.randn_like(small)
+        opt = AdamW([p, small], lr=1e-2, foreach=foreach)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            with torch.inference_mode():
+                opt.step()
+                opt.step()
+        finally:
+            torch.set_num_threads(previous)
+        results.append((p.detach().clone(), opt.state[p]["exp_avg_sq"].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_flushed_denormals_on_the_caller_are_flushed_on_the_workers():
+    # torch.set_flush_denormal is per thread: the workers follow the stepping thread's setting at each step
+    # (torch's own 2-thread kernels do not: there only the calling thread's half of a tensor is flushed)
+    def run(threads, foreach):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            p = torch.nn.Parameter(torch.ones(3 * BLOCK))
+            small = torch.nn.Parameter(torch.ones(100))
+            opt = AdamW([p, small], lr=1e-3, foreach=foreach)
+            for step in range(3):
+                torch.set_flush_denormal(step >= 1)
+                p.grad = torch.full_like(p, 1e-21)        # g * g = 1e-42, a float32 denormal
+                small.grad = torch.full_like(small, 1e-21)
+                opt.step()
+        finally:
+            torch.set_flush_denormal(False)
+            torch.set_num_threads(previous)
+        return opt.state[p]["exp_avg_sq"], opt.state[small]["exp_avg_sq"]
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    one_thread = run(1, True)
+    assert int((one_thread[0] == 0).sum()) == 3 * BLOCK       # flushed: the check can fail
+    for a, b in zip(run(2, False), one_thread):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="needs signal.setitimer")
+def test_interrupts_at_random_moments_never_hang_a_step_nor_leave_workers_writing():
+    import faulthandler
+    import random
+    import signal
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    previous_handler = signal.signal(signal.SIGALRM, interrupt)
+    faulthandler.dump_traceback_later(120, exit=True)    # a hang fails the run instead of stalling it
+    try:
+        p = torch.nn.Parameter(torch.randn(8 * BLOCK))
+        q = torch.nn.Parameter(torch.randn(500))
+        p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
+        opt = AdamW([p, q], lr=1e-3, foreach=False)
+        opt.step()
+        rng = random.Random(0)
+        interrupted = 0
+        for _ in range(150):
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-4, 1e-2))
+            try:
+                opt.step()
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupted += 1
+                snapshot = p.detach().clone()
+                time.sleep(0.01)
+                assert torch.equal(snapshot, p.detach()), "a worker wrote after the interrupt returned"
+        assert interrupted > 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous_handler)
+        torch.set_num_threads(previous_threads)

@@ -21,8 +21,10 @@ of work per chunk.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable, Sequence
 
@@ -48,78 +50,131 @@ def usable(row: Sequence[torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in row)
 
 
+class _Tally:
+    """How many workers have finished, and their errors, under one condition: the workers write it and
+    the caller only waits on it, so an interrupted wait loses nothing."""
+
+    def __init__(self, expected: int) -> None:
+        self.condition = threading.Condition()
+        self.expected = expected
+        self.errors: list[BaseException] = []
+        self.done = 0
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self.condition:
+            self.done += 1
+            if error is not None:
+                self.errors.append(error)
+            self.condition.notify_all()
+
+    def wait(self) -> None:
+        """Until every expected worker has finished, also through interruptions (``KeyboardInterrupt``):
+        the first one is raised after the wait, so that no worker writes once the caller has control back."""
+        interrupted = None
+        while True:
+            try:
+                with self.condition:
+                    while self.done < self.expected:
+                        self.condition.wait()
+                break
+            except BaseException as error:  # noqa: BLE001 -- raised once the workers are done
+                interrupted = interrupted or error
+        if interrupted is not None:
+            raise interrupted
+
+
+def _thread_settings() -> tuple[bool, bool]:
+    """The calling thread's settings that change what an in-place kernel does and that a new thread does not
+    inherit: inference mode (state created under it may only be updated under it) and flush-to-zero of
+    denormals (``torch.set_flush_denormal``, which has no getter: probed with one tiny multiply)."""
+    return (torch.is_inference_mode_enabled(),
+            bool((torch.tensor([1e-40], dtype=torch.float32) * 1.0)[0] == 0))
+
+
 class _Workers:
     """Persistent daemon threads, each with one intra-op thread and autograd off, fed one task list per
-    step. Created on first use; a forked child process starts without them (threads do not survive
-    ``fork``) and makes its own."""
+    step under the stepping thread's inference mode and denormal flushing. Created on first use; a forked
+    child process starts without them (threads do not survive ``fork``) and makes its own."""
 
     def __init__(self) -> None:
         self.threads: list[threading.Thread] = []
         self.inboxes: list[queue.SimpleQueue] = []
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # one step at a time (two threads stepping share the workers)
-        self.generation = 0           # which run a result belongs to
 
     def ensure(self, n: int) -> None:
         if len(self.threads) >= n:
             return
         caller = torch.get_num_threads()
-        ready = threading.Barrier(n - len(self.threads) + 1)
-        for _ in range(n - len(self.threads)):
-            inbox: queue.SimpleQueue = queue.SimpleQueue()
-            thread = threading.Thread(target=self._serve, args=(inbox, ready), daemon=True,
-                                      name=f"optbook-block-{len(self.threads)}")
+        new = n - len(self.threads)
+        ready = _Tally(new)
+        inboxes = [queue.SimpleQueue() for _ in range(new)]
+        threads = [threading.Thread(target=self._serve, args=(inbox, ready), daemon=True,
+                                    name=f"optbook-block-{len(self.threads) + k}") for k, inbox in enumerate(inboxes)]
+        for thread in threads:
             thread.start()
-            self.threads.append(thread)
-            self.inboxes.append(inbox)
-        ready.wait()
-        # torch.set_num_threads also sets the default that threads created later start from: put the
-        # caller's number back there (a worker's own setting is its thread's and stays 1)
-        torch.set_num_threads(caller)
+        try:
+            ready.wait()   # each has set its own thread count (and, as a side effect, the process default)
+        finally:
+            # torch.set_num_threads also sets the default that threads created later start from: put the
+            # caller's number back there (a worker's own setting is its thread's and stays 1)
+            torch.set_num_threads(caller)
+        self.threads += threads
+        self.inboxes += inboxes
 
-    def _serve(self, inbox: queue.SimpleQueue, ready: threading.Barrier) -> None:
+    @staticmethod
+    def _serve(inbox: queue.SimpleQueue, ready: _Tally) -> None:
         torch.get_num_threads()    # take the process default first, so that it cannot overwrite ours later
         torch.set_num_threads(1)   # this thread's kernels run on it alone
         torch.set_grad_enabled(False)
-        ready.wait()
+        ready.finish()
         while True:
-            generation, tasks = inbox.get()
+            tasks, (inference, flush), tally = inbox.get()
             try:
-                for function, args in tasks:
-                    function(*args)
-                self.results.put((generation, None))
+                torch.set_flush_denormal(flush)
+                # (not inference_mode(False): that context turns autograd back on)
+                with torch.inference_mode() if inference else contextlib.nullcontext():
+                    for function, args in tasks:
+                        function(*args)
+                tally.finish()
             except BaseException as error:  # noqa: BLE001 -- handed to the stepping thread, raised there
-                self.results.put((generation, error))
+                tally.finish(error)
 
     def run(self, shares: list[list[tuple[Callable, tuple]]]) -> None:
-        """Run each share's ``function(*args)`` calls in order on its own worker; raise the first error.
+        """Run each share's ``function(*args)`` calls in order on its own worker, under the calling thread's
+        inference mode and denormal flushing; raise the first error.
 
-        Returns only when every worker has finished its share, also when the wait is interrupted
+        Returns only when every worker given a share has finished it, also when the wait is interrupted
         (``KeyboardInterrupt`` in a notebook): the interruption is raised after that, so that no worker
         writes into the tensors once the caller has the control back."""
+        settings = _thread_settings()
         with self.lock:
             self.ensure(len(shares))
-            self.generation += 1
-            for inbox, tasks in zip(self.inboxes, shares):
-                inbox.put((self.generation, tasks))
-            errors: list[BaseException | None] = []
+            tally = _Tally(0)
             try:
-                self._collect(errors, len(shares))
-            except BaseException:
-                self._collect(errors, len(shares))
-                raise
-        for error in errors:
-            if error is not None:
-                raise error
+                with _signals_held():  # all shares handed out and counted, or none: no interrupt in between
+                    for inbox, tasks in zip(self.inboxes, shares):
+                        inbox.put((tasks, settings, tally))
+                    with tally.condition:
+                        tally.expected = len(shares)
+            finally:
+                tally.wait()
+        if tally.errors:
+            raise tally.errors[0]
 
 
-    def _collect(self, errors: list, n: int) -> None:
-        """Append this run's results to ``errors`` until there are ``n`` (a result of an earlier,
-        interrupted run is dropped; each worker ran that run's share before this one's)."""
-        while len(errors) < n:
-            generation, error = self.results.get()
-            if generation == self.generation:
-                errors.append(error)
+@contextlib.contextmanager
+def _signals_held():
+    """Within the block, the main thread's signals wait (``pthread_sigmask``): a ``KeyboardInterrupt``
+    raised halfway through handing out the shares would leave the caller waiting for a share never sent.
+    Where the mask cannot be set (another thread, which gets no signals; a platform without it), nothing."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 _workers = _Workers()
