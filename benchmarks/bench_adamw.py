@@ -20,8 +20,8 @@ of 1 MiB that worker threads step with single-threaded kernels, every line of th
 before the next, and runs the small tensors' ``foreach`` lines and the non-finite check's norms on the
 same workers: the threads wake once per step. torch's for-loop and foreach run each line over each
 tensor as one OpenMP parallel region, which under ``OMP_WAIT_POLICY=PASSIVE`` wakes the sleeping threads
-each time (``sqrt`` even for tensors of 128 elements); "torch for-loop 1 thread" shows what its second
-thread buys.
+each time (``sqrt`` even for tensors of 128 elements); "torch for-loop 1 thread" and "optbook 1 thread" show
+what the second thread buys each.
 
 Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_adamw.py --rounds 7 --threads 2``).
 """
@@ -65,7 +65,7 @@ def timing_setup(doc: str, rounds: int) -> tuple[argparse.Namespace, list[tuple[
 
 def make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    if kind == "optbook":
+    if kind.startswith("optbook"):
         return AdamW(params, **kw)
     mode = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
             "torch fused": dict(fused=True), "torch for-loop 1 thread": dict(foreach=False)}[kind]
@@ -79,9 +79,11 @@ def verdict(ratio: float) -> str:
 def main() -> None:
     args, shapes, base, grads = timing_setup(__doc__, rounds=11)
     numel = sum(p.numel() for p in base)
-    kinds = ["optbook", "torch for-loop", "torch foreach", "torch fused", "torch for-loop 1 thread"]
-    # the last runs on one intra-op thread: what the second thread buys torch's loop (the wake-ups of
-    # OMP_WAIT_POLICY=PASSIVE, once per line per tensor, can eat it; optbook's blocks pay them once per step)
+    kinds = ["optbook", "torch for-loop", "torch foreach", "torch fused", "torch for-loop 1 thread",
+             "optbook 1 thread"]
+    # the last two run on one intra-op thread: what the second thread buys torch's loop (the wake-ups of
+    # OMP_WAIT_POLICY=PASSIVE, once per line per tensor, can eat it) and optbook (its blocks run in the
+    # calling thread then: no workers)
     threads = {kind: 1 if kind.endswith("1 thread") else args.threads for kind in kinds}
     optimizers, params = {}, {}
     for kind in kinds:
