@@ -253,6 +253,9 @@ def test_an_interrupted_wait_returns_only_after_every_worker_is_done():
 
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
+    # Python's own SIGINT handler (a shell's background job starts with SIGINT ignored, and then Python
+    # installs none)
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         x = torch.arange(2.0).repeat_interleave(1024)
         with pytest.raises(KeyboardInterrupt):
@@ -262,6 +265,7 @@ def test_an_interrupted_wait_returns_only_after_every_worker_is_done():
         for_blocks(lambda i, y, s: y.add_(1), [[y]], block=1024)
         assert torch.equal(y, torch.ones(4096))
     finally:
+        signal.signal(signal.SIGINT, previous_handler)
         torch.set_num_threads(previous)
 
 
