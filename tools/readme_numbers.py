@@ -76,15 +76,20 @@ def ratios(run: dict) -> str:
     return ", ".join(f"{r:.2f}" for r in run["ratios"])
 
 
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table: the header row, the separator, one line per row."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
+
+
 def muon_runs() -> str:
     rec = load(RESULTS / "bench_muon.json")
-    rows = ["| date | CPU | runs | source | OMP_WAIT_POLICY | optbook / torch |", "|---|---|---|---|---|---|"]
-    for run in rec["history"] + [{"environment": rec["environment"], "ratios": [rec["data"]["ratio"]],
-                                  "what": "the table above"}]:
-        env = run["environment"]
-        rows.append(f"| {env['date']} | {env['cpu']} | {run['what']} | {env.get('note', 'the benchmark')} "
-                    f"| {env['env']['OMP_WAIT_POLICY']} | {ratios(run)} |")
-    return "\n".join(rows) + "\n"
+    runs = rec["history"] + [{"environment": rec["environment"], "ratios": [rec["data"]["ratio"]],
+                              "what": "the table above"}]
+    return markdown_table(["date", "CPU", "runs", "source", "OMP_WAIT_POLICY", "optbook / torch"],
+                          [[r["environment"]["date"], r["environment"]["cpu"], r["what"],
+                            r["environment"].get("note", "the benchmark"), r["environment"]["env"]["OMP_WAIT_POLICY"],
+                            ratios(r)] for r in runs])
 
 
 def zero1_targets() -> str:
@@ -108,23 +113,17 @@ def zero1_targets() -> str:
 
 def fsdp2_runs() -> str:
     rec = load(RESULTS / "bench_fsdp2.json")
-    rows = ["| date | CPU | runs | source | FSDP2 + Muon / FSDP2 + AdamW | turbo |", "|---|---|---|---|---|---|"]
-    for run in rec["history"]:
-        env = run["environment"]
-        turbo = ", ".join(f"{v:.2f}" for v in run["ratios_turbo"])
-        rows.append(f"| {env['date']} | {env['cpu']} | {run['what']} | {env.get('note', '')} | {ratios(run)} | {turbo} |")
-    return "\n".join(rows) + "\n"
+    return markdown_table(["date", "CPU", "runs", "source", "FSDP2 + Muon / FSDP2 + AdamW", "turbo"],
+                          [[r["environment"]["date"], r["environment"]["cpu"], r["what"],
+                            r["environment"].get("note", ""), ratios(r),
+                            ", ".join(f"{v:.2f}" for v in r["ratios_turbo"])] for r in rec["history"]])
 
 
 def adamw_runs() -> str:
     rec = load(RESULTS / "bench_adamw.json")
-    rows = ["| date | runs | load average | source | optbook / faster of torch loop and foreach |",
-            "|---|---|---|---|---|"]
-    for run in rec["history"]:
-        env = run["environment"]
-        rows.append(f"| {env['date']} | {run['what']} | {env['load_average_1min']} | {env.get('note', '')} "
-                    f"| {ratios(run)} |")
-    return "\n".join(rows) + "\n"
+    return markdown_table(["date", "runs", "load average", "source", "optbook / faster of torch loop and foreach"],
+                          [[r["environment"]["date"], r["what"], r["environment"]["load_average_1min"],
+                            r["environment"].get("note", ""), ratios(r)] for r in rec["history"]])
 
 
 def compiled_runs() -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract import NonFiniteGradientError
+from ..optim.optimizer import nonfinite_checked_by_caller
 
 __all__ = ["check_same_params", "global_rank", "group_info", "params_difference", "sync_status",
            "validate_on_every_rank"]
@@ -60,13 +61,11 @@ def validate_locally(opt) -> Exception | None:
     """Run ``opt._validate()`` on this rank with its non-finite check off (the caller judges inf/NaN across
     the ranks); return the error it raised (``TypeError``, ``ValueError``, ``RuntimeError``) or ``None``,
     so that every rank can agree on the outcome before any of them raises."""
-    saved, opt.refuse_nonfinite_grads = opt.refuse_nonfinite_grads, False
     try:
-        opt._validate()
+        with nonfinite_checked_by_caller([opt]):
+            opt._validate()
     except (TypeError, ValueError, RuntimeError) as e:
         return e
-    finally:
-        opt.refuse_nonfinite_grads = saved
     return None
 
 

@@ -234,8 +234,9 @@ def _cpu_norms_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether the 2-norm of every CPU tensor, taken block by block for the large contiguous ones, is
     finite; computed on the worker threads of :func:`optbook.optim._blocks.for_blocks` (one wake-up of
     the threads instead of one per tensor: measured 4.9 ms -> 2.6 ms on the README benchmark's gradients)."""
-    large = [t for t in tensors if t.numel() >= GRAIN and usable([t])]
-    rest = [t for t in tensors if t.numel() < GRAIN or not usable([t])]
+    large, rest = [], []
+    for t in tensors:
+        (large if t.numel() >= GRAIN and usable([t]) else rest).append(t)
     norms: list[torch.Tensor] = []   # list.append is atomic: the workers append their blocks' norms
 
     def together() -> None:
