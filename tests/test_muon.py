@@ -300,3 +300,57 @@ def test_aol_with_four_steps_is_at_least_as_close_to_the_polar_factor_as_the_fiv
             O = newton_schulz(G, dtype=torch.bfloat16, **kw).double()
             err[name] = float((O - polar).norm() / polar.norm())
         assert err["turbo"] < 0.8 * err["default"], (shape, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_exact_rescale_overwrite_gives_the_same_bits_in_place_only_where_the_dtype_allows(dtype):
+    from optbook.optim.muon import exact_rescale
+    D = torch.randn(3, 8, 5, dtype=torch.float64).mul_(torch.tensor([1e-9, 1.0, 3e4]).view(3, 1, 1)).to(dtype)
+    D[0, 0, 0] = -D.abs().max() * 2   # the largest magnitude negative: max |D| is -min D
+    expected = exact_rescale(D)
+    out = exact_rescale(D.clone())
+    assert torch.equal(out, expected)
+    mine = D.clone()
+    got = exact_rescale(mine, overwrite=True)
+    assert torch.equal(got, expected)
+    assert (got is mine) == (dtype != torch.bfloat16)   # bfloat16 goes to a new float32 tensor
+    amax = expected.abs().amax(dim=(-2, -1))
+    assert bool(((amax >= 0.5) & (amax < 1)).all())
+
+
+@pytest.mark.parametrize("dtype, ns_dtype", [(torch.float32, torch.bfloat16), (torch.float64, torch.float64),
+                                             (torch.float32, torch.float32)])
+def test_newton_schulz_overwrite_gives_the_same_result(dtype, ns_dtype):
+    G = torch.randn(2, 12, 20, dtype=dtype)
+    expected = newton_schulz(G, dtype=ns_dtype)
+    scratch = G.clone()
+    assert torch.equal(newton_schulz(scratch, dtype=ns_dtype, overwrite=True), expected)
+    assert torch.equal(newton_schulz(G, dtype=ns_dtype), expected)   # without overwrite G is untouched
+
+
+@pytest.mark.parametrize("head_split", [None, 2])
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float64])
+def test_orthogonalized_blocks_is_what_muon_subtracts_and_leaves_the_directions_alone(head_split, ns_dtype):
+    """muon() on zero parameters with lr = 1 and no momentum subtracts exactly orthogonalized_blocks' updates;
+    the directions are only read (the distributed Muons send them while the owner orthogonalises), whether a
+    shape is alone (as it is or transposed) or stacked with others (tall and wide of the same shape)."""
+    from optbook.distributed._muon_common import scaled_orthogonal
+    from optbook.optim.muon import orthogonalized_blocks
+    g = torch.Generator().manual_seed(3)
+    shapes = [(8, 8), (16, 4), (4, 16), (12, 4), (6, 10), (8, 8)]
+    D = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    kept = [d.clone() for d in D]
+    options = dict(ns_steps=5, coefficients="simple", scale_mode="shape_scaling", extra_scale_factor=1.0,
+                   eps=1e-7, ns_dtype=ns_dtype, head_split=head_split)
+    updates = orthogonalized_blocks(D, **options)
+    assert all(torch.equal(d, k) for d, k in zip(D, kept))
+    params = [torch.zeros_like(d) for d in D]
+    muon(params, [d.clone() for d in D], [torch.zeros_like(d) for d in D], lr=1.0, momentum=0.0, nesterov=False,
+         weight_decay=0.0, **options)
+    for p, blocks, d in zip(params, updates, D):
+        assert [b.shape[0] for b in blocks] == split_rows(d.shape[0], head_split)
+        assert torch.equal(-p, torch.cat(blocks))
+    group = {"lr": 0.5, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, **options}
+    for full, blocks in zip(scaled_orthogonal(D, group), updates):
+        assert torch.equal(full, torch.cat(blocks))
+    assert all(torch.equal(d, k) for d, k in zip(D, kept))

@@ -228,7 +228,8 @@ def _gram_iteration(X, schedule, restart_at, xxt, poly, right, R=None):
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence = "simple", eps: float = 1e-7,
                   dtype: torch.dtype = torch.bfloat16, gram: str = "plain", *, algorithm: str = "standard",
-                  restarts: Sequence[int] = GRAM_RESTARTS, precondition: str | None = None) -> torch.Tensor:
+                  restarts: Sequence[int] = GRAM_RESTARTS, precondition: str | None = None,
+                  overwrite: bool = False) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` by ``steps`` Newton–Schulz iterations.
 
     Args:
@@ -278,6 +279,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
             result is ``U' phi(S') V'^T`` for the SVD of ``D X``, an approximation of the polar factor
             of ``D X``, not of ``X`` (equal when the rows of ``X`` are orthogonal). After the Frobenius
             normalisation, which keeps float16 from overflowing and leaves ``D X`` unchanged.
+        overwrite: allow the normalisation to divide a float32/float64 ``G`` in place (as SciPy's
+            ``overwrite_a``: ``G``'s values are then undefined; saves a copy of ``G``). Same result.
 
     Returns:
         A tensor of ``G``'s shape and dtype: ``U phi_k(S) V^T`` where ``phi_k`` composes the
@@ -324,7 +327,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str | Sequence 
     norm_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(norm_dtype)
     norm = torch.linalg.matrix_norm(X, keepdim=True).clamp_min_(eps)
-    X = (X.div_(norm) if X is not G else X / norm).to(dtype)  # divide in place when G.to made a copy
+    # divide in place when G.to made a copy, or when the caller gave G up (overwrite)
+    X = (X.div_(norm) if X is not G or overwrite else X / norm).to(dtype)
     tall = G.shape[-2] > G.shape[-1]
     if tall:  # work on the wide orientation: the Gram matrix is min(m, n) squared
         X = X.mT

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..contract import NonFiniteGradientError
 from ..optim import muon
+from ..optim.muon import orthogonalized_blocks
 from ..optim._validation import check_int, check_number
 from ..optim.optimizer import all_finite, check_hyperparameters
 from ._ranks import global_rank, params_difference
@@ -179,12 +180,11 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
 
 
 def scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """``scale * NS(D)`` for each full matrix ``D``, computed by the functional core
-    :func:`optbook.optim.muon` itself (on a zero parameter, ``lr = 1``, no momentum, no decay), so the
-    rescaling, head split, Newton–Schulz schedule and scale are Muon's and nothing is re-implemented.
-    Exact: the zero parameter minus ``1 * U`` is ``-U`` bit for bit, and ``lerp(M, D, 1)`` is ``D``."""
-    out = [torch.zeros_like(d) for d in directions]
-    bufs = [torch.zeros_like(d) for d in directions]
-    options = {**hyper(group), "lr": 1.0, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
-    muon(out, directions, bufs, **options)
-    return [o.neg_() for o in out]
+    """``scale * NS(D)`` for each full matrix ``D``: Muon's update, by the function the single-process
+    :func:`optbook.optim.muon` subtracts (:func:`optbook.optim.muon.orthogonalized_blocks`: rescaling, head
+    split, batching, Newton–Schulz schedule and scale are Muon's; nothing is re-implemented). A matrix cut
+    into several row blocks (``head_split``) is concatenated; otherwise the update may be a view (the
+    transpose of a batch entry), not contiguous."""
+    options = {k: v for k, v in hyper(group).items() if k not in ("lr", "momentum", "nesterov", "weight_decay")}
+    return [blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            for blocks in orthogonalized_blocks(directions, **options)]

@@ -116,15 +116,24 @@ class FSDP2Muon(Muon):
         ``work.wait()``, ``finish()`` is the full matrix on ``owner``, ``None`` elsewhere."""
         sizes = _row_chunks(shape[0], self.world_size)
         pad = max(sizes)
-        send = rows.new_zeros((pad, shape[1]))
-        send[: rows.shape[0]].copy_(rows)
-        recv = [torch.empty_like(send) for _ in sizes] if self.rank == owner else None
+        if rows.shape[0] == pad and rows.is_contiguous():
+            send = rows   # (read by the gather, not written, until the wait)
+        else:   # a short or empty last shard: padded (the pad rows are sent but never read)
+            send = rows.new_zeros((pad, shape[1]))
+            send[: rows.shape[0]].copy_(rows)
+        full = recv = None
+        if self.rank == owner:
+            if all(n == pad for n in sizes):   # even shards: received straight into the rows of the matrix
+                full = rows.new_empty(shape)
+                recv = list(full.split(pad))
+            else:
+                recv = [torch.empty_like(send) for _ in sizes]
         work = dist.gather(send, recv, dst=self._global_rank(owner), group=self.process_group, async_op=True)
 
         def finish():
             if self.rank != owner:
                 return None
-            return torch.cat([r[:n] for r, n in zip(recv, sizes)])
+            return full if full is not None else torch.cat([r[:n] for r, n in zip(recv, sizes)])
         return work, finish
 
     def _from_owner(self, full: torch.Tensor | None, shape: tuple, owner: int, like: torch.Tensor):
@@ -135,12 +144,16 @@ class FSDP2Muon(Muon):
         recv = like.new_empty((pad, shape[1]))
         chunks = None
         if self.rank == owner:
-            chunks, row = [], 0
-            for n in sizes:
-                c = full.new_zeros((pad, shape[1]))
-                c[:n].copy_(full[row:row + n])
-                chunks.append(c)
-                row += n
+            if full.is_contiguous() and all(n == pad for n in sizes):   # even shards: the rows themselves
+                chunks = list(full.split(pad))
+            else:   # uneven shards (padded; the pad rows are sent but never read) or a transposed view
+                chunks, row = [], 0
+                for n in sizes:
+                    c = full.new_empty((pad, shape[1]))
+                    c[:n].copy_(full[row:row + n])
+                    c[n:].zero_()
+                    chunks.append(c)
+                    row += n
         work = dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group, async_op=True)
         return work, recv[: sizes[self.rank]]
 

@@ -103,7 +103,7 @@ def split_rows(rows: int, head_split) -> list[int]:
     return sizes
 
 
-def exact_rescale(D: torch.Tensor) -> torch.Tensor:
+def exact_rescale(D: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
     """``D`` times a power of two per matrix so that its largest absolute entry lies in ``[0.5, 1)``.
 
     Multiplying by a power of two is exact, so Newton-Schulz's normalisation ``X / max(||X||_F, eps)``
@@ -116,15 +116,21 @@ def exact_rescale(D: torch.Tensor) -> torch.Tensor:
 
     Args:
         D: ``(..., m, n)`` real floating tensor.
+        overwrite: scale a float32/float64 ``D`` in place and return it (as SciPy's ``overwrite_a``: for a
+            ``D`` the caller no longer needs; saves a copy). No effect on float16/bfloat16.
 
     Returns:
-        A new tensor of ``D``'s shape, in float32 for a float16/bfloat16 ``D`` (scaling float16 down
-        could flush its small entries to zero), else in ``D``'s dtype. Exponents below -126 are
-        clamped, so a subnormal ``D`` is scaled by at most ``2**126``.
+        A tensor of ``D``'s shape (new, or ``D`` itself with ``overwrite``), in float32 for a float16/bfloat16
+        ``D`` (scaling float16 down could flush its small entries to zero), else in ``D``'s dtype. Exponents
+        below -126 are clamped, so a subnormal ``D`` is scaled by at most ``2**126``.
     """
-    amax = D.abs().amax(dim=(-2, -1), keepdim=True)
+    # max |D| as max(max D, -min D): two reductions and no |D| tensor (the same value; NaN stays NaN)
+    amax = torch.maximum(D.amax(dim=(-2, -1), keepdim=True), D.amin(dim=(-2, -1), keepdim=True).neg_())
     exponent = torch.frexp(amax.float()).exponent.clamp_(min=-126, max=127)
-    return D * torch.exp2(-exponent.float())  # float16/bfloat16 go to float32: no entry is lost
+    scale = torch.exp2(-exponent.float())
+    if overwrite and D.dtype in (torch.float32, torch.float64):
+        return D.mul_(scale)
+    return D * scale  # float16/bfloat16 go to float32: no entry is lost
 
 
 @torch.no_grad()
@@ -153,7 +159,43 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     if not params:
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+    updates = orthogonalized_blocks(directions, ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
+                                    extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                                    head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
+                                    ns_precondition=ns_precondition)
+    for p, blocks in zip(params, updates):
+        p.mul_(1 - lr * weight_decay)
+        row = 0
+        for o in blocks:  # each block straight into its rows of p: no concatenated copy
+            rows = p.narrow(0, row, o.shape[0])
+            if isinstance(lr, torch.Tensor):   # a 0-d tensor (a compiled step): data, not a graph constant
+                rows.addcmul_(o, lr, value=-1)
+            else:
+                rows.sub_(o, alpha=lr)
+            row += o.shape[0]
 
+
+def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, coefficients="simple",
+                          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
+                          ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
+                          ns_algorithm: str = "standard", ns_precondition: str | None = None
+                          ) -> list[list[torch.Tensor]]:
+    """Muon's update ``scale * O`` of each direction, per row block (what :func:`muon` subtracts).
+
+    Args:
+        directions: ``(fan_out, fan_in)`` tensors (the momentum's step directions); only read.
+        ns_steps, ..., ns_precondition: as in :class:`Muon`; not re-validated here.
+
+    Returns:
+        For each direction, the list of its row blocks' updates (``split_rows(fan_out, head_split)``), each
+        of the block's shape and the direction's dtype: ``muon_scale(block) * newton_schulz(block)``. An
+        update may be a view of a batch (a tall block is the transpose of a wide one), not contiguous.
+
+    Blocks of equal shape up to a transpose (an MLP's ``(4d, d)`` and ``(d, 4d)``) are orthogonalised in
+    one batched :func:`optbook.newton_schulz` call; a block whose shape no other block shares is passed as
+    it is (no stack). The distributed Muons call this on the whole matrices they gather, so every element
+    sees the single-process arithmetic.
+    """
     # cut into row blocks (views) and gather them by shape up to a transpose: a tall (4d, d) block goes into
     # the same batch as the wide (d, 4d) ones, transposed (newton_schulz works on the wide orientation
     # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
@@ -163,29 +205,24 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     for i, bs in enumerate(blocks):
         for j, b in enumerate(bs):
             by_shape[min(b.shape), max(b.shape)].append((i, j, b.shape[0] > b.shape[1]))
-    ortho = {}
+    ortho = [[None] * len(bs) for bs in blocks]
     for (m, n), where in by_shape.items():
         wide = [blocks[i][j].mT if tall else blocks[i][j] for i, j, tall in where]
         # (contiguous either way, so that a block's norm is summed in the same order alone and in a stack)
         batch = wide[0].contiguous() if len(where) == 1 else torch.stack(wide)
+        fresh = len(where) > 1 or batch is not wide[0]   # a copy (contiguous() of a view): ours to overwrite
         algorithm = ns_algorithm if ns_algorithm != "auto" else ("gram" if n >= GRAM_ASPECT * m else "standard")
-        O = newton_schulz(exact_rescale(batch), steps=ns_steps, coefficients=coefficients, eps=eps,
-                          dtype=ns_dtype, gram=gram, algorithm=algorithm, precondition=ns_precondition)
+        X = exact_rescale(batch, overwrite=fresh)   # a new tensor or the copy: either way scratch for NS
+        O = newton_schulz(X, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype, gram=gram,
+                          algorithm=algorithm, precondition=ns_precondition, overwrite=True)
         for k, (i, j, tall) in enumerate(where):
             o = O if len(where) == 1 else O[k]
             o = o.mT if tall else o
-            o.mul_(muon_scale(tuple(o.shape), scale_mode, extra_scale_factor))  # O is a fresh tensor
-            ortho[i, j] = o
-    for i, (p, bs) in enumerate(zip(params, blocks)):
-        p.mul_(1 - lr * weight_decay)
-        row = 0
-        for j, b in enumerate(bs):  # each block straight into its rows of p: no concatenated copy
-            rows = p.narrow(0, row, b.shape[0])
-            if isinstance(lr, torch.Tensor):   # a 0-d tensor (a compiled step): data, not a graph constant
-                rows.addcmul_(ortho[i, j], lr, value=-1)
-            else:
-                rows.sub_(ortho[i, j], alpha=lr)
-            row += b.shape[0]
+            scale = muon_scale(tuple(o.shape), scale_mode, extra_scale_factor)
+            if scale != 1.0:   # (x * 1.0 is x: the pass is skipped)
+                o.mul_(scale)  # O is a fresh tensor
+            ortho[i][j] = o
+    return ortho
 
 
 class Muon(BookOptimizer):
