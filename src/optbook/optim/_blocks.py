@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import signal
 import threading
 from collections.abc import Callable, Sequence
 
@@ -51,36 +50,64 @@ def usable(row: Sequence[torch.Tensor]) -> bool:
 
 
 class _Tally:
-    """How many workers have finished, and their errors, under one condition: the workers write it and
-    the caller only waits on it, so an interrupted wait loses nothing."""
+    """How many shares have finished, and their errors: the workers write it and the caller only waits on
+    it, so an interrupted wait loses nothing.
+
+    The caller waits on a plain lock that the last share's worker releases, not on a
+    ``threading.Condition``: an interrupt (``KeyboardInterrupt``) raised inside ``Condition.wait`` while it
+    re-acquires its lock leaves the lock un-acquired, and the ``with`` block around it then fails with
+    "cannot release un-acquired lock" (seen with random ``SIGALRM`` interrupts on a loaded 2-core machine)."""
 
     def __init__(self, expected: int) -> None:
-        self.condition = threading.Condition()
+        self.lock = threading.Lock()        # guards the counts below (held by a worker for a few operations)
         self.expected = expected
         self.errors: list[BaseException] = []
         self.done = 0
+        self.all_done = expected == 0
+        self.finished = threading.Lock()    # held until every expected share has finished
+        if not self.all_done:
+            self.finished.acquire()
 
     def finish(self, error: BaseException | None = None) -> None:
-        with self.condition:
+        with self.lock:
             self.done += 1
             if error is not None:
                 self.errors.append(error)
-            self.condition.notify_all()
+            if self.done == self.expected:
+                self.all_done = True         # (before the release: an interrupted wait reads it)
+                self.finished.release()
 
     def wait(self) -> None:
-        """Until every expected worker has finished, also through interruptions (``KeyboardInterrupt``):
-        the first one is raised after the wait, so that no worker writes once the caller has control back."""
+        """Until every expected share has finished, also through interruptions (``KeyboardInterrupt``): the
+        first one is raised after the wait, so that no worker writes once the caller has control back. An
+        interrupt at any point of the loop leaves ``all_done`` to end it."""
         interrupted = None
-        while True:
+        while not self.all_done:
             try:
-                with self.condition:
-                    while self.done < self.expected:
-                        self.condition.wait()
-                break
+                if self.finished.acquire(timeout=0.1):   # one C call; a timeout re-reads all_done
+                    self.finished.release()
             except BaseException as error:  # noqa: BLE001 -- raised once the workers are done
                 interrupted = interrupted or error
         if interrupted is not None:
             raise interrupted
+
+
+class _Job:
+    """One run's shares and settings: worker ``i`` runs share ``i``, once, however many times it is handed
+    the job (the caller hands it out again after an interrupt that may have come just after a hand-out)."""
+
+    def __init__(self, shares: list[list[tuple[Callable, tuple]]], settings: tuple[bool, bool]) -> None:
+        self.shares, self.settings = shares, settings
+        self.tally = _Tally(len(shares))
+        self.lock = threading.Lock()
+        self.claimed = [False] * len(shares)
+
+    def claim(self, index: int) -> bool:
+        with self.lock:
+            if index >= len(self.shares) or self.claimed[index]:
+                return False
+            self.claimed[index] = True
+            return True
 
 
 def _thread_settings() -> tuple[bool, bool]:
@@ -105,76 +132,67 @@ class _Workers:
         if len(self.threads) >= n:
             return
         caller = torch.get_num_threads()
-        new = n - len(self.threads)
-        ready = _Tally(new)
-        inboxes = [queue.SimpleQueue() for _ in range(new)]
-        threads = [threading.Thread(target=self._serve, args=(inbox, ready), daemon=True,
-                                    name=f"optbook-block-{len(self.threads) + k}") for k, inbox in enumerate(inboxes)]
-        for thread in threads:
-            thread.start()
         try:
-            ready.wait()   # each has set its own thread count (and, as a side effect, the process default)
+            while len(self.threads) < n:   # one at a time: an interrupt leaves only started, ready workers listed
+                index, inbox, ready = len(self.threads), queue.SimpleQueue(), _Tally(1)
+                thread = threading.Thread(target=self._serve, args=(index, inbox, ready), daemon=True,
+                                          name=f"optbook-block-{index}")
+                thread.start()
+                ready.wait()   # it has set its own thread count (and, as a side effect, the process default)
+                self.threads.append(thread)
+                self.inboxes.append(inbox)
         finally:
             # torch.set_num_threads also sets the default that threads created later start from: put the
             # caller's number back there (a worker's own setting is its thread's and stays 1)
             torch.set_num_threads(caller)
-        self.threads += threads
-        self.inboxes += inboxes
 
     @staticmethod
-    def _serve(inbox: queue.SimpleQueue, ready: _Tally) -> None:
+    def _serve(index: int, inbox: queue.SimpleQueue, ready: _Tally) -> None:
         torch.get_num_threads()    # take the process default first, so that it cannot overwrite ours later
         torch.set_num_threads(1)   # this thread's kernels run on it alone
         torch.set_grad_enabled(False)
         ready.finish()
         while True:
-            tasks, (inference, flush), tally = inbox.get()
-            try:
-                torch.set_flush_denormal(flush)
-                # (not inference_mode(False): that context turns autograd back on)
-                with torch.inference_mode() if inference else contextlib.nullcontext():
-                    for function, args in tasks:
-                        function(*args)
-                tally.finish()
-            except BaseException as error:  # noqa: BLE001 -- handed to the stepping thread, raised there
-                tally.finish(error)
+            job = inbox.get()
+            inference, flush = job.settings
+            torch.set_flush_denormal(flush)
+            if job.claim(index):
+                try:
+                    # (not inference_mode(False): that context turns autograd back on)
+                    with torch.inference_mode() if inference else contextlib.nullcontext():
+                        for function, args in job.shares[index]:
+                            function(*args)
+                    job.tally.finish()
+                except BaseException as error:  # noqa: BLE001 -- handed to the stepping thread, raised there
+                    job.tally.finish(error)
 
     def run(self, shares: list[list[tuple[Callable, tuple]]]) -> None:
-        """Run each share's ``function(*args)`` calls in order on its own worker, under the calling thread's
+        """Run share ``i``'s ``function(*args)`` calls in order on worker ``i``, under the calling thread's
         inference mode and denormal flushing; raise the first error.
 
-        Returns only when every worker given a share has finished it, also when the wait is interrupted
-        (``KeyboardInterrupt`` in a notebook): the interruption is raised after that, so that no worker
-        writes into the tensors once the caller has the control back."""
+        Returns only when every share has finished, also when the caller is interrupted
+        (``KeyboardInterrupt`` in a notebook) while handing out the job or waiting: the interruption is raised
+        after that, so that no worker writes into the tensors once the caller has the control back. One loop
+        does both, and an interrupt anywhere in it only restarts it: the remaining hand-outs are made (one
+        interrupted just after its ``put`` is made again, which the worker ignores) and the wait resumes."""
         settings = _thread_settings()
         with self.lock:
             self.ensure(len(shares))
-            tally = _Tally(0)
-            try:
-                with _signals_held():  # all shares handed out and counted, or none: no interrupt in between
-                    for inbox, tasks in zip(self.inboxes, shares):
-                        inbox.put((tasks, settings, tally))
-                    with tally.condition:
-                        tally.expected = len(shares)
-            finally:
-                tally.wait()
-        if tally.errors:
-            raise tally.errors[0]
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Within the block, the main thread's signals wait (``pthread_sigmask``): a ``KeyboardInterrupt``
-    raised halfway through handing out the shares would leave the caller waiting for a share never sent.
-    Where the mask cannot be set (another thread, which gets no signals; a platform without it), nothing."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            job = _Job(shares, settings)
+            posted, interrupted = 0, None
+            while True:
+                try:
+                    while posted < len(shares):
+                        self.inboxes[posted].put(job)
+                        posted += 1
+                    job.tally.wait()
+                    break
+                except BaseException as error:  # noqa: BLE001 -- raised once the workers are done
+                    interrupted = interrupted or error
+        if interrupted is not None:
+            raise interrupted
+        if job.tally.errors:
+            raise job.tally.errors[0]
 
 
 _workers = _Workers()
