@@ -134,6 +134,15 @@ def muon_model() -> nn.Module:
                          nn.Linear(9, 2, bias=False)).double()
 
 
+def muon_pairs_model() -> nn.Module:
+    """Four matrices whose shards are even at 2 ranks (received and scattered in place): (6, 6), a tall
+    (12, 6), whose update is a transposed view (copied into shards), a wide (6, 12) (one batch with the tall
+    one where one rank owns both), and (2, 6); uneven or empty at 3 and 4 ranks."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(6, 6, bias=False), nn.Tanh(), nn.Linear(6, 12, bias=False), nn.Tanh(),
+                         nn.Linear(12, 6, bias=False), nn.Tanh(), nn.Linear(6, 2, bias=False)).double()
+
+
 def muon_batch(step: int) -> torch.Tensor:
     return torch.randn(16, 6, generator=torch.Generator().manual_seed(200 + step), dtype=torch.float64)
 
@@ -143,19 +152,21 @@ def muon_groups(model: nn.Module) -> list[dict]:
             {"params": [model[2].weight, model[4].weight], "lr": 0.01}]
 
 
-def muon_run(rank: int, world_size: int, *, max_grad_norm=None, accumulate: int = 1) -> dict:
+def muon_run(rank: int, world_size: int, *, max_grad_norm=None, accumulate: int = 1, pairs: bool = False) -> dict:
     """FSDP2Muon against optbook.optim.Muon for 3 steps (``accumulate`` micro-batches per step, the gradients
     summed by FSDP2 and by the reference alike, then the reference's own summed gradient distributed):
     ``"diff"``, the largest difference of the parameters after every step (0.0: bitwise); ``"ns_calls"`` on
-    this rank and ``"owned"``, how many matrices it owns; ``"state"``: momentum equal to the reference's."""
+    this rank and ``"owned"``, how many matrices it owns; ``"state"``: momentum equal to the reference's.
+    ``pairs``: :func:`muon_pairs_model` in one group instead of :func:`muon_model` and its groups."""
     from optbook.clipping import clip_grad_norm_
     from optbook.distributed import FSDP2Muon
 
     torch.set_num_threads(1)
-    reference = muon_model()
+    reference = muon_pairs_model() if pairs else muon_model()
     sharded = shard(copy.deepcopy(reference))
-    ref_opt = Muon(muon_groups(reference), **MUON_OPTIONS)
-    opt = FSDP2Muon(muon_groups(sharded), max_grad_norm=max_grad_norm, **MUON_OPTIONS)
+    groups = (lambda m: [{"params": list(m.parameters()), "lr": 0.02}]) if pairs else muon_groups
+    ref_opt = Muon(groups(reference), **MUON_OPTIONS)
+    opt = FSDP2Muon(groups(sharded), max_grad_norm=max_grad_norm, **MUON_OPTIONS)
     diff = 0.0
     for step in range(STEPS):
         ref_opt.zero_grad()

@@ -63,6 +63,19 @@ def test_fsdp2_muon_is_bitwise_single_process_muon(world_size):
     assert sum(r["owned"] for r in reports) == 3
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_fsdp2_muon_is_bitwise_muon_with_even_shards_and_a_batched_tall_and_wide_pair(world_size):
+    """Even shards take the in-place path (received into the matrix, scattered as row views); the tall
+    matrix's update, a transposed view, is copied into shards."""
+    from fsdp2_ranks import muon_run
+
+    reports = launch(muon_run, world_size, pairs=True, timeout=240.0)
+    for r in reports:
+        assert r["diff"] == 0.0 and r["state"], r
+        assert r["ns_calls"] == 3 * r["owned"]
+    assert sum(r["owned"] for r in reports) == 4
+
+
 def test_fsdp2_muon_orthogonalises_once_per_step_whatever_the_accumulation():
     from fsdp2_ranks import muon_run
 

@@ -123,7 +123,7 @@ class FSDP2Muon(Muon):
             send[: rows.shape[0]].copy_(rows)
         full = recv = None
         if self.rank == owner:
-            if all(n == pad for n in sizes):   # even shards: received straight into the rows of the matrix
+            if pad and all(n == pad for n in sizes):   # even shards: received straight into the rows of the matrix
                 full = rows.new_empty(shape)
                 recv = list(full.split(pad))
             else:
@@ -144,7 +144,7 @@ class FSDP2Muon(Muon):
         recv = like.new_empty((pad, shape[1]))
         chunks = None
         if self.rank == owner:
-            if full.is_contiguous() and all(n == pad for n in sizes):   # even shards: the rows themselves
+            if pad and full.is_contiguous() and all(n == pad for n in sizes):   # even shards: the rows themselves
                 chunks = list(full.split(pad))
             else:   # uneven shards (padded; the pad rows are sent but never read) or a transposed view
                 chunks, row = [], 0
