@@ -182,7 +182,7 @@ def _blocks_in_child(queue):
     # GNU OpenMP cannot run a parallel region in a forked child of a process that ran one (a torch
     # limitation, not ours: DataLoader workers set one thread for the same reason), so the child's own
     # thread stays on one; the block workers run single-threaded kernels and may be used
-    fresh = _blocks._workers.threads == []
+    fresh = _blocks._workers.workers == []
     torch.set_num_threads(2)
     names = []
     x = torch.zeros(4096)
@@ -200,7 +200,7 @@ def test_a_forked_child_makes_its_own_workers():
     torch.set_num_threads(2)
     try:
         for_blocks(lambda i, x, s: x.add_(1), [[torch.zeros(4096)]], block=1024)  # parent's workers exist
-        assert len(_blocks._workers.threads) >= 2
+        assert len(_blocks._workers.workers) >= 2
         ctx = multiprocessing.get_context("fork")
         queue = ctx.Queue()
         child = ctx.Process(target=_blocks_in_child, args=(queue,))
@@ -359,3 +359,41 @@ def test_interrupts_at_random_moments_never_hang_a_step_nor_leave_workers_writin
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous_handler)
         torch.set_num_threads(previous_threads)
+
+
+def test_an_interrupt_while_listing_a_new_worker_leaves_the_workers_usable(monkeypatch):
+    """Each worker is listed by one append of its (thread, inbox) pair: an interrupt right after that append
+    (or before it) leaves every listed worker with its inbox, and the next step runs (when a thread and its
+    inbox were two appends, an interrupt between them left a thread without an inbox and every later step
+    spinning on an IndexError)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    workers = _blocks._Workers()
+    monkeypatch.setattr(_blocks, "_workers", workers)
+
+    class InterruptAfterAppend(list):
+        fired = False
+
+        def append(self, item):
+            super().append(item)
+            if not InterruptAfterAppend.fired and len(self) == 2:
+                InterruptAfterAppend.fired = True
+                raise KeyboardInterrupt
+
+    workers.workers = InterruptAfterAppend()
+    try:
+        p = torch.nn.Parameter(torch.randn(8 * BLOCK))
+        p.grad = torch.randn_like(p)
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        opt = AdamW([p], lr=1e-3, foreach=False)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert InterruptAfterAppend.fired and all(len(w) == 2 for w in workers.workers)
+        assert torch.get_num_threads() == 2
+        opt.step()   # a first step that runs (the interrupted one wrote nothing: it stopped before the hand-out)
+        reference = AdamW([q], lr=1e-3, foreach=True)
+        reference.step()
+        assert torch.equal(p.detach(), q.detach())
+    finally:
+        torch.set_num_threads(previous)

@@ -124,24 +124,28 @@ class _Workers:
     child process starts without them (threads do not survive ``fork``) and makes its own."""
 
     def __init__(self) -> None:
-        self.threads: list[threading.Thread] = []
-        self.inboxes: list[queue.SimpleQueue] = []
+        # (thread, inbox) pairs, each listed by one list.append: an interrupt cannot list half a worker
+        self.workers: list[tuple[threading.Thread, queue.SimpleQueue]] = []
         self.lock = threading.Lock()  # one step at a time (two threads stepping share the workers)
 
     def ensure(self, n: int) -> None:
-        if len(self.threads) >= n:
+        if len(self.workers) >= n:
             return
         caller = torch.get_num_threads()
+        thread = ready = None
         try:
-            while len(self.threads) < n:   # one at a time: an interrupt leaves only started, ready workers listed
-                index, inbox, ready = len(self.threads), queue.SimpleQueue(), _Tally(1)
+            while len(self.workers) < n:   # one at a time: only started, ready workers are listed
+                index, inbox, ready = len(self.workers), queue.SimpleQueue(), _Tally(1)
                 thread = threading.Thread(target=self._serve, args=(index, inbox, ready), daemon=True,
                                           name=f"optbook-block-{index}")
                 thread.start()
                 ready.wait()   # it has set its own thread count (and, as a side effect, the process default)
-                self.threads.append(thread)
-                self.inboxes.append(inbox)
+                self.workers.append((thread, inbox))
         finally:
+            # an interrupt just after a start: let that thread set its count before ours is put back below (it
+            # is not listed and stays idle)
+            if thread is not None and thread.ident is not None:
+                ready.wait()
             # torch.set_num_threads also sets the default that threads created later start from: put the
             # caller's number back there (a worker's own setting is its thread's and stays 1)
             torch.set_num_threads(caller)
@@ -183,7 +187,7 @@ class _Workers:
             while True:
                 try:
                     while posted < len(shares):
-                        self.inboxes[posted].put(job)
+                        self.workers[posted][1].put(job)
                         posted += 1
                     job.tally.wait()
                     break

@@ -128,14 +128,13 @@ class Adafactor(BookOptimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]
-            if not state:
-                state["step"] = 0
+            if not state:   # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
                 work = torch.promote_types(p.dtype, torch.float32)   # statistics never in float16/bfloat16
                 if p.ndim >= 2:  # factored
-                    state["row_var"] = p.new_zeros(*p.shape[:-1], 1, dtype=work)
-                    state["col_var"] = p.new_zeros(*p.shape[:-2], 1, p.shape[-1], dtype=work)
+                    state.update(step=0, row_var=p.new_zeros(*p.shape[:-1], 1, dtype=work),
+                                 col_var=p.new_zeros(*p.shape[:-2], 1, p.shape[-1], dtype=work))
                 else:
-                    state["variance"] = torch.zeros_like(p, dtype=work)
+                    state.update(step=0, variance=torch.zeros_like(p, dtype=work))
             state["step"] += 1
         states = [self.state[p] for p in params]
         eps1, eps2 = group["eps"]

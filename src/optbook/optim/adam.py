@@ -166,10 +166,9 @@ class _AdamBase(BookOptimizer):
             if p.grad is None:
                 continue
             state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not state:   # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
+                state.update(step=0, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
             if amsgrad and "max_exp_avg_sq" not in state:  # also when amsgrad is switched on mid-run
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1

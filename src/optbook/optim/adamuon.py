@@ -132,10 +132,9 @@ class AdaMuon(BookOptimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not state:   # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
+                state.update(step=0, momentum_buffer=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
             state["step"] += 1
         adamuon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
                 [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],

@@ -151,9 +151,10 @@ class Dion(BookOptimizer):
             if not state:
                 r = dion_rank(p.shape, group["rank_fraction"])
                 gen = torch.Generator().manual_seed(group["seed"])
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["right_factor"] = torch.randn((p.shape[1], r), generator=gen, dtype=torch.float64).to(
-                    device=p.device, dtype=p.dtype)
+                # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
+                state.update(momentum_buffer=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             right_factor=torch.randn((p.shape[1], r), generator=gen, dtype=torch.float64).to(
+                                 device=p.device, dtype=p.dtype))
         dion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
              [self.state[p]["right_factor"] for p in params], lr=group["lr"], momentum=group["momentum"],
              weight_decay=group["weight_decay"], eps=group["eps"], q_update=group["q_update"])

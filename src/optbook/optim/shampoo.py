@@ -137,11 +137,10 @@ class Shampoo(BookOptimizer):
         for p in params:
             state = self.state[p]
             work = torch.promote_types(p.dtype, torch.float32)  # statistics never in float16/bfloat16
-            if not state:
+            if not state:   # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
                 m, n = p.shape
-                state["step"] = 0
-                state["L"] = group["eps"] * torch.eye(m, dtype=work, device=p.device)
-                state["R"] = group["eps"] * torch.eye(n, dtype=work, device=p.device)
+                state.update(step=0, L=group["eps"] * torch.eye(m, dtype=work, device=p.device),
+                             R=group["eps"] * torch.eye(n, dtype=work, device=p.device))
             if group["momentum"] and "momentum_buffer" not in state:  # also when switched on mid-run
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=work)
             state["step"] += 1

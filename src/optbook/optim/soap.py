@@ -158,14 +158,12 @@ class SOAP(BookOptimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]
-            if not state:
+            if not state:   # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
                 m, n = p.shape
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
                 work = torch.promote_types(p.dtype, torch.float32)  # statistics never in float16/bfloat16
-                state["L"] = p.new_zeros(m, m, dtype=work)  # set to G G^T by the first step
-                state["R"] = p.new_zeros(n, n, dtype=work)
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                             L=p.new_zeros(m, m, dtype=work),  # set to G G^T by the first step
+                             R=p.new_zeros(n, n, dtype=work))
             state["step"] += 1
         states = [self.state[p] for p in params]
         Q_Ls, Q_Rs = [s.get("Q_L") for s in states], [s.get("Q_R") for s in states]
