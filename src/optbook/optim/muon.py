@@ -124,8 +124,10 @@ def exact_rescale(D: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
         ``D`` (scaling float16 down could flush its small entries to zero), else in ``D``'s dtype. Exponents
         below -126 are clamped, so a subnormal ``D`` is scaled by at most ``2**126``.
     """
-    # max |D| as max(max D, -min D): two reductions and no |D| tensor (the same value; NaN stays NaN)
-    amax = torch.maximum(D.amax(dim=(-2, -1), keepdim=True), D.amin(dim=(-2, -1), keepdim=True).neg_())
+    if torch.compiler.is_compiling():   # Inductor fuses |D| into the reduction: one pass
+        amax = D.abs().amax(dim=(-2, -1), keepdim=True)
+    else:   # eager: max |D| as max(max D, -min D), two reductions and no |D| tensor (the same value)
+        amax = torch.maximum(D.amax(dim=(-2, -1), keepdim=True), D.amin(dim=(-2, -1), keepdim=True).neg_())
     exponent = torch.frexp(amax.float()).exponent.clamp_(min=-126, max=127)
     scale = torch.exp2(-exponent.float())
     if overwrite and D.dtype in (torch.float32, torch.float64):
