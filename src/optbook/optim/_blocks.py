@@ -63,9 +63,8 @@ class _Tally:
         self.expected = expected
         self.errors: list[BaseException] = []
         self.done = 0
-        self.all_done = expected == 0
         self.finished = threading.Lock()    # held until every expected share has finished
-        if not self.all_done:
+        if expected:
             self.finished.acquire()
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -73,18 +72,17 @@ class _Tally:
             self.done += 1
             if error is not None:
                 self.errors.append(error)
-            if self.done == self.expected:
-                self.all_done = True         # (before the release: an interrupted wait reads it)
+            if self.done == self.expected:   # (counted before the release: an interrupted wait reads it)
                 self.finished.release()
 
     def wait(self) -> None:
         """Until every expected share has finished, also through interruptions (``KeyboardInterrupt``): the
         first one is raised after the wait, so that no worker writes once the caller has control back. An
-        interrupt at any point of the loop leaves ``all_done`` to end it."""
+        interrupt at any point of the loop leaves the count to end it."""
         interrupted = None
-        while not self.all_done:
+        while self.done < self.expected:
             try:
-                if self.finished.acquire(timeout=0.1):   # one C call; a timeout re-reads all_done
+                if self.finished.acquire(timeout=0.1):   # one C call; a timeout re-reads the count
                     self.finished.release()
             except BaseException as error:  # noqa: BLE001 -- raised once the workers are done
                 interrupted = interrupted or error
@@ -104,7 +102,7 @@ class _Job:
 
     def claim(self, index: int) -> bool:
         with self.lock:
-            if index >= len(self.shares) or self.claimed[index]:
+            if self.claimed[index]:
                 return False
             self.claimed[index] = True
             return True

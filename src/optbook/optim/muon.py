@@ -153,10 +153,8 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     ``lr`` may also be a 0-d tensor (what :func:`optbook.optim.compiled_muon_step` passes, so that a new
     learning rate is new data for a compiled graph, not a new constant).
 
-    Blocks of equal shape up to a transpose (an MLP's ``(4d, d)`` and ``(d, 4d)``) are orthogonalised in
-    one batched :func:`optbook.newton_schulz` call; a block whose shape no other block shares is passed as
-    it is (no stack), and every orthogonalised block is subtracted straight from its rows of the
-    parameter (no concatenation).
+    The updates come from :func:`orthogonalized_blocks` (same-shape blocks batched); each block's update is
+    subtracted straight from its rows of the parameter (no concatenation).
     """
     if not params:
         return
