@@ -397,3 +397,44 @@ def test_an_interrupt_while_listing_a_new_worker_leaves_the_workers_usable(monke
         assert torch.equal(p.detach(), q.detach())
     finally:
         torch.set_num_threads(previous)
+
+
+def test_an_interrupt_between_a_workers_start_and_its_listing_leaves_no_idle_thread(monkeypatch):
+    """A worker whose thread has started when an interrupt comes, before it is listed, is listed on the way
+    out: the next step uses it instead of starting another, so no idle thread is left behind."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    workers = _blocks._Workers()
+    monkeypatch.setattr(_blocks, "_workers", workers)
+
+    class InterruptFirstReadyWait(_blocks._Tally):
+        fired = False
+
+        def wait(self):
+            if self.expected == 1 and not InterruptFirstReadyWait.fired:
+                InterruptFirstReadyWait.fired = True
+                raise KeyboardInterrupt   # the first worker's thread has started, it is not listed yet
+            super().wait()
+
+    monkeypatch.setattr(_blocks, "_Tally", InterruptFirstReadyWait)
+    try:
+        p = torch.nn.Parameter(torch.randn(8 * BLOCK))
+        p.grad = torch.randn_like(p)
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        opt = AdamW([p], lr=1e-3, foreach=False)
+        threads_before = threading.active_count()
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert InterruptFirstReadyWait.fired
+        assert len(workers.workers) == 1 and workers.workers[0][0].is_alive()
+        assert torch.get_num_threads() == 2
+        opt.step()
+        assert len(workers.workers) == 2 and [w[0].name for w in workers.workers] == [
+            "optbook-block-0", "optbook-block-1"]
+        assert threading.active_count() == threads_before + 2   # the interrupted start left no extra thread
+        reference = AdamW([q], lr=1e-3, foreach=True)
+        reference.step()
+        assert torch.equal(p.detach(), q.detach())
+    finally:
+        torch.set_num_threads(previous)

@@ -130,20 +130,23 @@ class _Workers:
         if len(self.workers) >= n:
             return
         caller = torch.get_num_threads()
-        thread = ready = None
+        worker = ready = None
         try:
             while len(self.workers) < n:   # one at a time: only started, ready workers are listed
                 index, inbox, ready = len(self.workers), queue.SimpleQueue(), _Tally(1)
-                thread = threading.Thread(target=self._serve, args=(index, inbox, ready), daemon=True,
-                                          name=f"optbook-block-{index}")
-                thread.start()
+                worker = (threading.Thread(target=self._serve, args=(index, inbox, ready), daemon=True,
+                                           name=f"optbook-block-{index}"), inbox)
+                worker[0].start()
                 ready.wait()   # it has set its own thread count (and, as a side effect, the process default)
-                self.workers.append((thread, inbox))
+                self.workers.append(worker)
         finally:
-            # an interrupt just after a start: let that thread set its count before ours is put back below (it
-            # is not listed and stays idle)
-            if thread is not None and thread.ident is not None:
+            # an interrupt just after a start: let that thread set its count before ours is put back below,
+            # and list it (its index is still the next one: the caller holds the step lock), so that no idle
+            # thread is left behind
+            if worker is not None and worker[0].ident is not None and (
+                    not self.workers or self.workers[-1] is not worker):
                 ready.wait()
+                self.workers.append(worker)
             # torch.set_num_threads also sets the default that threads created later start from: put the
             # caller's number back there (a worker's own setting is its thread's and stays 1)
             torch.set_num_threads(caller)
