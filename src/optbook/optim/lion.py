@@ -1,7 +1,7 @@
 """Lion: the sign of an interpolated momentum. Explained in chapter 4.
 
 Source: Chen et al. (2023), "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675,
-Algorithm 2; Megatron-LM's command-line defaults ``lion_beta1/2 = 0.95/0.98``.
+Algorithm 2; Megatron-LM's command-line defaults ``--lion-beta1/2 = 0.95/0.98`` (``megatron/training/arguments.py`` at core_v0.19.0).
 
 For a parameter ``p`` with gradient ``g`` (elementwise, shapes of ``p``)::
 
