@@ -93,6 +93,20 @@ def test_bad_arguments_are_refused_before_starting(kwargs, error, word):
         launch(raise_on_rank, **kwargs)
 
 
+def test_nccl_with_more_ranks_than_gpus_is_refused_before_starting(monkeypatch):
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected", ncclInvalidUsage, when the communicator is
+    # created: NCCL's init.cc), so the round-robin rank % device_count that launch used could never work; a
+    # machine with one GPU is simulated (nothing is spawned, CUDA is never touched)
+    import multiprocessing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(multiprocessing.get_context("spawn"), "Process",
+                        lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(ValueError, match=r"world_size: 2 NCCL ranks need 2 CUDA devices, this machine has 1"):
+        launch(raise_on_rank, 2, backend="nccl")
+
+
 def test_init_from_env_names_the_missing_variables(monkeypatch):
     from optbook.distributed import init_from_env
 

@@ -238,6 +238,45 @@ def test_the_kernel_compiles_for_a_hopper_gpu_without_one(dtype, epilogue, monke
         assert "mma" in kernel.asm["ptx"]
 
 
+#: Shared memory one block may use (opt-in), bytes: CUDA's per-compute-capability limits, what Triton compares
+#: a kernel's need with before launching it (``OutOfResources`` above it). 7.5 T4, 8.0 A100, 8.6 RTX 30xx/A10,
+#: 9.0 H100/H200, 12.0 RTX 50xx (8.9, RTX 40xx/L4, has 8.6's limit and compiles as 8.6 does here).
+SHARED_MEMORY_LIMIT = {75: 65536, 80: 166912, 86: 101376, 90: 232448, 120: 101376}
+
+
+@pytest.mark.parametrize("capability", sorted(SHARED_MEMORY_LIMIT))
+def test_default_tiles_fit_the_shared_memory_of_each_gpu_generation(capability, monkeypatch):
+    # float32 128 x 64 tiles, pipelined, needed 128 KiB: on an RTX 3090/4090/5090, A10 or L4 (99 KiB a block)
+    # every float32 Gram product with more than 1024 rows (python -m optbook.bench's defaults) raised
+    # OutOfResources at its first launch. Compiled here as a launch on 16-aligned tensors would compile it.
+    import triton
+    from optbook.kernels import _triton_gram
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton has no ASTSource/GPUTarget")
+    fn = triton.jit(_triton_gram._sym_gram_kernel)
+    limit = SHARED_MEMORY_LIMIT[capability]
+    for dtype, torch_dtype, M in (("fp32", torch.float32, 1024), ("fp32", torch.float32, 4096),
+                                  ("bf16", torch.bfloat16, 4096)):
+        BLOCK, BLOCK_K = _triton_gram._default_blocks(M, 4 * M, False, torch_dtype)
+        constexprs = dict(x_stride_c=1, a_stride_c=1, o_stride_c=1, BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=True,
+                          INTERPRET=False, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+        signature = {name: "constexpr" if name in constexprs else f"*{dtype}" if name.endswith("_ptr")
+                     else "fp32" if name.startswith("coef") else "i32" for name in fn.arg_names}
+        aligned = [name for name, kind in signature.items() if kind != "constexpr"
+                   and not name.startswith("coef") and not name.endswith("_c")]
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", capability, 32),
+                                options=_triton_gram._launch_options(BLOCK, False))
+        shared = kernel.metadata.shared
+        assert shared <= limit, \
+            f"sm_{capability} {dtype} M={M} tiles {(BLOCK, BLOCK_K)}: {shared} bytes of shared memory"
+
+
 def test_importing_the_kernels_module_does_not_import_triton():
     # triton (hundreds of MB, a compiler) loads on the first kernel launch only; optbook.kernels is lazy too
     code = ("import sys, optbook, optbook.kernels, torch; "

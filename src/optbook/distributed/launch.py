@@ -94,7 +94,7 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, kwargs, results)
     parent ahead of the connection errors its exit causes on the other ranks."""
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank)   # one device per rank (launch checked there are enough)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args, **kwargs)
@@ -190,8 +190,9 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
             ``fn(rank, world_size, *args, **kwargs)`` with ``rank`` in ``0 .. world_size - 1``.
         world_size: number of processes, an int ``>= 1``.
         *args, **kwargs: passed to ``fn`` on every rank; they must be picklable.
-        backend: ``"gloo"`` (CPU; the default) or ``"nccl"`` (needs ``world_size`` CUDA devices or fewer
-            shared round-robin; rank ``r`` uses device ``r % device_count``).
+        backend: ``"gloo"`` (CPU; the default) or ``"nccl"`` (one CUDA device per rank: rank ``r`` uses
+            device ``r``, so ``world_size`` must not exceed ``torch.cuda.device_count()``; NCCL refuses two
+            ranks on one GPU, "Duplicate GPU detected", ``ncclInvalidUsage``).
         timeout: seconds, finite and ``> 0``: the timeout of every collective. The parent waits at most
             ``timeout + STARTUP_GRACE`` seconds (``STARTUP_GRACE`` = 30 s for the imports) for all results,
             then stops the workers and raises.
@@ -202,7 +203,7 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
 
     Raises:
         TypeError, ValueError: invalid ``fn``, ``world_size``, ``backend`` or ``timeout``, or ``"nccl"``
-            without CUDA.
+            without CUDA or with more ranks than CUDA devices.
         RuntimeError: a worker raised (the message names its rank and holds its traceback), ended without
             reporting a result (killed by a signal, ``os._exit``, or an exception while the spawned process
             started, whose traceback is on that process's stderr: the message names that rank and its exit
@@ -217,6 +218,10 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
     timeout = _check_timeout(timeout)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("Invalid backend: 'nccl' needs CUDA, which is not available here; use 'gloo'")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"Invalid world_size: {world_size} NCCL ranks need {world_size} CUDA devices, this machine "
+                         f"has {torch.cuda.device_count()} (NCCL refuses two ranks on one GPU: 'Duplicate GPU "
+                         "detected'); use at most that many ranks, or backend='gloo'")
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

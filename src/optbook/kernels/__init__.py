@@ -138,7 +138,7 @@ def gram_xxt(X: torch.Tensor, out: torch.Tensor | None = None, *,
         out: optional ``(m, m)`` / ``(batch, m, m)`` contiguous tensor of ``X``'s dtype and device,
             not sharing ``X``'s memory; written and returned.
         blocks: ``(BLOCK, BLOCK_K)``, the output tile and the step along ``n``, powers of two >= 16
-            (``None``: chosen by size and device). Tests use small tiles to cross tile edges.
+            (``None``: chosen by size, dtype and device). Tests use small tiles to cross tile edges.
 
     Returns:
         ``A`` of shape ``(m, m)`` / ``(batch, m, m)`` in ``X``'s dtype: float32 accumulation, one

@@ -108,10 +108,25 @@ def _kernel(interpret: bool):
     return triton.jit(_sym_gram_kernel)
 
 
-def _default_blocks(M: int, K: int, interpret: bool) -> tuple[int, int]:
+def _default_blocks(M: int, K: int, interpret: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """``(BLOCK, BLOCK_K)`` when the caller gives none.
+
+    On a GPU the kernel must fit the shared memory one block may have (Triton refuses a launch above it:
+    ``OutOfResources``): 99 KiB = 101376 bytes on compute capability 8.6, 8.9 and 12.0 (RTX 30xx/40xx/50xx,
+    A10, L4), 64 KiB on 7.5 (T4). The software pipeline keeps two or three operand tile pairs there, so
+    float32 128 x 64 tiles need 128 KiB; float32 therefore steps 32 along ``K`` at ``BLOCK = 128`` (64 KiB).
+    ``tests/test_kernels.py`` compiles these defaults for sm_75 to sm_120 and checks each against its limit."""
     if interpret:   # numpy: fewer, larger tiles are faster; at least 16 (tl.dot's minimum)
         return 32, 64
-    return (64, 64) if M <= 1024 else (128, 64)
+    if M <= 1024:
+        return 64, 64
+    return (128, 32) if dtype == torch.float32 else (128, 64)
+
+
+def _launch_options(BLOCK: int, interpret: bool) -> dict:
+    """The compile options of a GPU launch (none under the interpreter)."""
+    # enable_fp_fusion: c acc + b A as one fma (also silences Triton 3.9's warning about its default)
+    return {} if interpret else dict(num_warps=8 if BLOCK >= 128 else 4, num_stages=3, enable_fp_fusion=True)
 
 
 def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float, c: float,
@@ -120,11 +135,12 @@ def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float,
 
     ``X``: ``(batch, M, K)``, any strides; ``out``: ``(batch, M, M)`` contiguous, X's dtype and device;
     ``A`` (the epilogue): ``(batch, M, M)``, symmetric. ``blocks``: ``(BLOCK, BLOCK_K)`` powers of two
-    >= 16, or ``None`` for the defaults (``(32, 64)`` under the interpreter, 64-128 on a GPU).
+    >= 16, or ``None`` for the defaults (``(32, 64)`` under the interpreter, :func:`_default_blocks`
+    on a GPU).
     ``interpret``: ``TRITON_INTERPRET=1`` is set (the kernel runs in Triton's numpy interpreter).
     """
     batch, M, K = X.shape
-    BLOCK, BLOCK_K = blocks or _default_blocks(M, K, interpret)
+    BLOCK, BLOCK_K = blocks or _default_blocks(M, K, interpret, X.dtype)
     nb = triton.cdiv(M, BLOCK)
     grid = (batch * (nb * (nb + 1) // 2),)
     epilogue = A is not None
@@ -133,9 +149,7 @@ def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float,
     # float32 inputs: full-precision products (tl.dot's default on NVIDIA is TF32), as X @ X.mT with
     # torch's default torch.backends.cuda.matmul.allow_tf32 = False; ROCm accepts only "ieee" (dion notes it)
     precision = "ieee" if X.dtype == torch.float32 or interpret or torch.version.hip else "tf32"
-    # enable_fp_fusion: c acc + b A as one fma (also silences Triton 3.9's warning about its default)
-    kwargs = {} if interpret else dict(num_warps=8 if BLOCK >= 128 else 4, num_stages=3,
-                                       enable_fp_fusion=True)
+    kwargs = _launch_options(BLOCK, interpret)
     _kernel(interpret)[grid](X, A_arg, out, M, K, *X.stride(), *a_strides, *out.stride(), float(b), float(c),
                              BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, INTERPRET=interpret,
                              INPUT_PRECISION=precision, **kwargs)
