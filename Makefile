@@ -144,7 +144,7 @@ ifeq ($(DRY_RUN),1)
 else
 	$(RUN) $(BIN)/python tools/gpu_check.py --json _build/gpu_check.json
 	$(RUN) $(PYTEST) book/05_newton_schulz.ipynb book/06_muon.ipynb book/15_fast_newton_schulz.ipynb
-	$(RUN) $(BIN)/torchrun --nproc_per_node=$$(nvidia-smi -L | wc -l) -m optbook.distributed.demo --steps 50 --bf16
+	$(RUN) $(BIN)/torchrun --nproc_per_node=$$($(BIN)/python -c 'import torch; print(torch.cuda.device_count())') -m optbook.distributed.demo --steps 50 --bf16
 endif
 
 # The conformance matrix: each optimizer against independent implementations (torch.optim, pytorch-optimizer,

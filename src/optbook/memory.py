@@ -701,7 +701,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for g, gi in zip(opt.param_groups, owners):
                 g.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
         d2h = h2d = 0
-        sync = False
+        gpus = set()   # the GPUs whose copies the host must wait for (each one's own synchronize)
         for p, off in zip(self._params, self.offloaded):
             inner = self._inner.get(p)
             if inner is None:
@@ -716,14 +716,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 else:
                     inner.grad.copy_(p.grad)
                 continue
-            sync = sync or p.is_cuda
+            if p.is_cuda:
+                gpus.add(p.device)
             if p in self._staging:
                 self._staging[p][0].copy_(p.grad, non_blocking=p.is_cuda)
             else:
                 inner.grad.copy_(p.grad, non_blocking=p.is_cuda)
             d2h += p.grad.numel() * p.grad.element_size()
-        if sync:
-            torch.cuda.synchronize()
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
         for p, staging in self._staging.items():
             if p.grad is not None:
                 self._inner[p].grad.copy_(staging[0])
@@ -742,8 +743,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._upload(p, off)
                 if off:
                     h2d += p.numel() * p.element_size()
-        if sync:
-            torch.cuda.synchronize()
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
         self._tracker.record(list(self._inner))
         self.last_bytes = {"d2h": d2h, "h2d": h2d}
         self.total_bytes = {k: self.total_bytes[k] + v for k, v in self.last_bytes.items()}
@@ -786,7 +787,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         off = self.offloaded[next(i for i, p in enumerate(self._params) if p is param)]
         self._upload(param, off)
         if off and param.is_cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(param.device)
         self._tracker.record([param])
 
     def master_params(self) -> list[torch.Tensor]:

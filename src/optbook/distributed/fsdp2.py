@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..clipping import clip_coefficient, grad_sumsq
+from ..clipping import _reduce_device, clip_coefficient, grad_sumsq
 from ..contract import closure_loss
 from ..optim import Muon
 from ..optim._functional import momentum_directions
@@ -258,7 +258,10 @@ class FSDP2Muon(Muon):
         groups = [self._read_floats(group) for group in self.param_groups]  # one-element tensors read as floats
         coefficient = 1.0
         if self.max_grad_norm is not None:
-            sumsq = grad_sumsq(local([p.grad for p in self._params if p.grad is not None]))
+            grads = local([p.grad for p in self._params if p.grad is not None])
+            # no gradient on this rank: a zero on the CPU, or on the current GPU for NCCL (it reduces no CPU tensor)
+            group = dist.group.WORLD if self.process_group is None else self.process_group
+            sumsq = grad_sumsq(grads, device=_reduce_device(grads, group))
             dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
             self.last_grad_norm = float(sumsq.sqrt())
             coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)

@@ -45,7 +45,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
+from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
 from ..optim import Muon, muon
 from ..optim._validation import check_int
 from ..optim.muon import split_rows
@@ -230,7 +230,8 @@ class LayerWiseMuon(Muon):
         self.max_grad_norm = max_grad_norm
         self.assignment = assignment
         self._params = all_params
-        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        # no parameter: the CPU, or the current GPU for NCCL (its status all-reduce takes no CPU tensor)
+        self.device = next(iter(devices)) if devices else _reduce_device([], group)
         self.costs = [ns_cost(p.shape, g["head_split"]) for g in self.param_groups for p in g["params"]]
         self.owners = (lpt_assign(self.costs, world_size) if assignment == "lpt"
                        else round_robin_assign(len(self.costs), world_size))

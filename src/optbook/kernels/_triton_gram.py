@@ -20,6 +20,7 @@ our own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -150,7 +151,9 @@ def launch(X: torch.Tensor, out: torch.Tensor, A: torch.Tensor | None, b: float,
     # torch's default torch.backends.cuda.matmul.allow_tf32 = False; ROCm accepts only "ieee" (dion notes it)
     precision = "ieee" if X.dtype == torch.float32 or interpret or torch.version.hip else "tf32"
     kwargs = _launch_options(BLOCK, interpret)
-    _kernel(interpret)[grid](X, A_arg, out, M, K, *X.stride(), *a_strides, *out.stride(), float(b), float(c),
-                             BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, INTERPRET=interpret,
-                             INPUT_PRECISION=precision, **kwargs)
+    # Triton launches on torch's current device and stream, not on X's: make X's device the current one
+    with torch.cuda.device(X.device) if X.is_cuda else contextlib.nullcontext():
+        _kernel(interpret)[grid](X, A_arg, out, M, K, *X.stride(), *a_strides, *out.stride(), float(b), float(c),
+                                 BLOCK=BLOCK, BLOCK_K=BLOCK_K, EPILOGUE=epilogue, INTERPRET=interpret,
+                                 INPUT_PRECISION=precision, **kwargs)
     return out
