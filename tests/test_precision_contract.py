@@ -489,3 +489,26 @@ def test_a_float32_parameters_sparse_gradient_is_named_before_anything_changes(s
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip((*emb.parameters(), *lin.parameters()), before))
     assert opt.loss_scale == scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 3.0, 65536.0, 0.125])
+def test_the_unfused_unscale_for_bfloat16_on_gpus_equals_torchs_fused_kernel(dtype, scale):
+    """bfloat16 gradients on a GPU cannot use torch's fused unscale (no CUDA bfloat16 kernel); the plain
+    operations that replace it give the fused kernel's bits and flag, compared here on the CPU."""
+    from optbook.precision import _unscale_unfused_
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [[(torch.randn(70000, generator=gen) * 300).to(dtype), torch.randn(3, 5, generator=gen).to(dtype)],
+             [torch.randn(9, generator=gen).to(dtype), torch.tensor([1.0, float("inf"), float("nan")]).to(dtype)],
+             [torch.empty(0, dtype=dtype)]]
+    for grads in cases:
+        fused, plain = [g.clone() for g in grads], [g.clone() for g in grads]
+        found_fused, found_plain = torch.zeros(1), torch.zeros(1)
+        inv = torch.full((1,), 1.0 / scale)
+        torch._amp_foreach_non_finite_check_and_unscale_(fused, found_fused, inv)
+        _unscale_unfused_(plain, found_plain, inv)
+        assert torch.equal(found_fused, found_plain)
+        for a, b in zip(fused, plain):
+            assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())

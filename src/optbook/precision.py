@@ -372,18 +372,35 @@ def unscale_grads_(grads: list[torch.Tensor], scale: float) -> bool:
     Returns:
         ``True`` when some element is ``inf`` or ``NaN`` (the gradients are then multiplied all the same:
         the step is to be skipped); ``False`` for an empty list.
+
+    bfloat16 gradients on a GPU go through :func:`_unscale_unfused_` instead: torch's CUDA kernel has no
+    bfloat16 version (pytorch/pytorch#127176, open as of torch 2.13); the result is the same.
     """
     by_key: dict = {}
     for g in grads:
         by_key.setdefault((g.device, g.dtype), []).append(g)
     found: dict = {}
     inv: dict = {}
-    for (device, _), gs in by_key.items():
+    for (device, dtype), gs in by_key.items():
         if device not in found:
             found[device] = torch.zeros(1, dtype=torch.float32, device=device)
             inv[device] = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
+        if device.type == "cuda" and dtype == torch.bfloat16:
+            _unscale_unfused_(gs, found[device], inv[device])
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], inv[device])
     return any(bool(f.item()) for f in found.values())
+
+
+def _unscale_unfused_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` in plain operations: ``found_inf`` (a 1-element
+    float32 tensor) becomes 1 when an element of ``grads`` is ``inf``/``NaN`` before the multiplication, and
+    every gradient is multiplied in place by ``inv_scale`` (1 element, float32; the product taken in float32
+    and rounded once to the gradient's dtype, as the fused kernel does). Bitwise the fused kernel's result
+    where both exist (a test compares them on the CPU)."""
+    for g in grads:
+        found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(g)).any().to(found_inf.dtype)))
+    torch._foreach_mul_(grads, inv_scale[0])
 
 
 # Old private names, kept while optbook.distributed.zero1 still imports them.
