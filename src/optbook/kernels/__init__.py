@@ -23,7 +23,9 @@ Where each runs (the same on every call; :func:`gram_backend` tells):
   ``torch.baddbmm`` (``"torch"``). These are the same mathematics but *not* bit-for-bit symmetric.
 
 Precision: products of float16/bfloat16 inputs are accumulated in float32 and rounded once to the
-input dtype, as torch's matmul does; float32 inputs use full float32 products (no TF32), as torch's
+input dtype (torch's CUDA matmul may instead reduce split-K partial sums in the low precision while
+``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` / ``..._fp16_...`` are True, their
+default); float32 inputs use full float32 products (no TF32), as torch's
 default on CUDA. The order of the float32 sums differs from cuBLAS's, so results agree with ``X @ X.mT``
 to rounding, not bit for bit. (Triton's interpreter casts float32 to bfloat16 by truncation; under it
 the kernel rounds to nearest even itself first, so it rounds as a GPU and torch do.)
