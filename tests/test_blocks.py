@@ -361,6 +361,16 @@ def test_interrupts_at_random_moments_never_hang_a_step_nor_leave_workers_writin
         torch.set_num_threads(previous_threads)
 
 
+def _blocked_adamw_and_twin():
+    """A parameter large enough for the block path, its AdamW (loop path: blocks), and a twin to step
+    with the foreach path as the reference."""
+    p = torch.nn.Parameter(torch.randn(8 * BLOCK))
+    p.grad = torch.randn_like(p)
+    q = torch.nn.Parameter(p.detach().clone())
+    q.grad = p.grad.clone()
+    return p, q, AdamW([p], lr=1e-3, foreach=False)
+
+
 def test_an_interrupt_while_listing_a_new_worker_leaves_the_workers_usable(monkeypatch):
     """Each worker is listed by one append of its (thread, inbox) pair: an interrupt right after that append
     (or before it) leaves every listed worker with its inbox, and the next step runs (when a thread and its
@@ -382,11 +392,7 @@ def test_an_interrupt_while_listing_a_new_worker_leaves_the_workers_usable(monke
 
     workers.workers = InterruptAfterAppend()
     try:
-        p = torch.nn.Parameter(torch.randn(8 * BLOCK))
-        p.grad = torch.randn_like(p)
-        q = torch.nn.Parameter(p.detach().clone())
-        q.grad = p.grad.clone()
-        opt = AdamW([p], lr=1e-3, foreach=False)
+        p, q, opt = _blocked_adamw_and_twin()
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         assert InterruptAfterAppend.fired and all(len(w) == 2 for w in workers.workers)
@@ -418,11 +424,7 @@ def test_an_interrupt_between_a_workers_start_and_its_listing_leaves_no_idle_thr
 
     monkeypatch.setattr(_blocks, "_Tally", InterruptFirstReadyWait)
     try:
-        p = torch.nn.Parameter(torch.randn(8 * BLOCK))
-        p.grad = torch.randn_like(p)
-        q = torch.nn.Parameter(p.detach().clone())
-        q.grad = p.grad.clone()
-        opt = AdamW([p], lr=1e-3, foreach=False)
+        p, q, opt = _blocked_adamw_and_twin()
         threads_before = threading.active_count()
         with pytest.raises(KeyboardInterrupt):
             opt.step()
