@@ -29,6 +29,7 @@ from optbook.distributed import (
     zero1_comm_bytes,
 )
 from optbook.distributed.muon_workers import chain_reference, muon_mean_grads, muon_problem, muon_reference
+from optbook.distributed.wire import all_reduce_received
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +314,13 @@ def test_tensor_parallel_modes_blockwise_differs_duplicated_and_distributed_equa
     assert comm["blockwise"] == 0 and comm["duplicated"] == 96 * 48 * 8
     gram = 48 if partition_dim == 0 else 96   # the split dimension decides which Gram matrix is summed
     assert comm["distributed"] == 2 * 8 * (1 + 5 * gram * gram)
+    # counted at the dispatcher, bytes received per rank: the all-gather's exact, the all-reduces' by the ring
+    # model; the two shape-check all-reduces (2 float64 each) run in both modes
+    received = runs[world_size][0][key]["received"]
+    assert received["blockwise"] == {}
+    assert received["duplicated"] == {"all_reduce": all_reduce_received(2 * 16, world_size),
+                                      "all_gather": (world_size - 1) * 96 * 48 * 8 // world_size}
+    assert received["distributed"] == {"all_reduce": all_reduce_received(8 * (4 + 1 + 5 * gram * gram), world_size)}
 
 
 def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():

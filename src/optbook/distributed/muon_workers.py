@@ -282,7 +282,9 @@ def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int =
 
     Returns:
         ``{mode: this rank's block of the result}`` for the three modes, plus ``"comm_bytes"``: ``{mode:
-        bytes}``, and ``"G"``: the whole matrix.
+        bytes}`` (the function's own tally of its buffers, ``comm_bytes=``), ``"received"``: ``{mode:
+        {collective: bytes}}``, what :class:`~optbook.distributed.wire.CommCounter` counts at the dispatcher
+        (the bytes this rank receives, the shape-check all-reduces included), and ``"G"``: the whole matrix.
     """
     from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 
@@ -290,13 +292,16 @@ def tp_modes(rank: int, world_size: int, *, shape=(96, 32), partition_dim: int =
     r = rank if group is None else dist.get_rank(group)
     G = torch.randn(*shape, generator=_gen(_seed(seed)), dtype=torch.float64)
     block = G.chunk(t, dim=partition_dim)[r].contiguous()
-    out, comm = {}, {}
+    out, comm, received = {}, {}, {}
     for mode in TP_MODES:
         counted: dict = {}
-        out[mode] = tensor_parallel_newton_schulz(block, partition_dim, mode, group, dtype=torch.float64,
-                                                  comm_bytes=counted)
+        with CommCounter() as counter:
+            out[mode] = tensor_parallel_newton_schulz(block, partition_dim, mode, group, dtype=torch.float64,
+                                                      comm_bytes=counted)
         comm[mode] = sum(counted.values())
+        received[mode] = dict(counter.received)
     out["comm_bytes"] = comm
+    out["received"] = received
     out["G"] = G
     return out
 
