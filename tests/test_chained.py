@@ -241,6 +241,23 @@ def test_bad_hyperparameter_in_a_later_member_raises_before_the_first_member_wri
     assert_same(before, after)
 
 
+def test_an_invalid_gradient_in_a_later_member_is_named_by_the_chains_index_and_member():
+    # the member's own message says param_groups[0]; the chain's param_groups[0] is Muon's group
+    matrices, vectors = problem()
+    opt = chain_of(matrices, vectors)
+    opt.step()
+    before = snapshot(opt, matrices + vectors)
+    grad = vectors[0].grad
+    vectors[0].grad.data = grad.float()   # autograd refuses to assign a gradient of another dtype
+    with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\]\[0\].*\(member 1, AdamW, of the chain\)"):
+        opt.step()
+    vectors[0].grad.data = grad
+    assert_same(before, snapshot(opt, matrices + vectors))
+    opt.optimizers[1].param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"lr.*\(member 1, AdamW, of the chain\)"):
+        opt.step()
+
+
 def test_global_clip_is_one_norm_over_all_members():
     matrices, vectors = problem()
     grads = [p.grad.clone() for p in matrices + vectors]

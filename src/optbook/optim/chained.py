@@ -270,15 +270,24 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 in the chain's ``param_groups``); no member has written anything. A chain has no loss
                 scaler: to skip such steps, wrap it in :class:`optbook.precision.MixedPrecisionOptimizer`
                 with one.
-            ValueError, TypeError: a member's hyperparameter or gradient is invalid; no member has
-                written anything when this happens.
+            ValueError, TypeError: a member's hyperparameter or gradient is invalid (the message names the
+                group by its index in the chain's ``param_groups`` and the member); no member has written
+                anything when this happens.
         """
         loss = closure_loss(closure)
         self._sync_momentum()
         with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
-            for opt in self.optimizers:   # every optbook member validates before any member writes
+            first = 0   # index in the chain's param_groups of the member's first group
+            for k, opt in enumerate(self.optimizers):   # every optbook member validates before any writes
                 if isinstance(opt, BookOptimizer) or hasattr(opt, "_validate"):   # OffloadOptimizer too
-                    opt._validate()
+                    try:
+                        opt._validate()
+                    except (TypeError, ValueError) as e:
+                        # the member names its own groups; the caller sees the chain's (as load_state_dict)
+                        message = re.sub(r"\bparam_groups\[(\d+)\]",
+                                         lambda m, first=first: f"param_groups[{int(m[1]) + first}]", str(e))
+                        raise type(e)(f"{message} (member {k}, {type(opt).__name__}, of the chain)") from e
+                first += len(opt.param_groups)
             named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
             if named:
