@@ -160,5 +160,12 @@ def test_muon_scale_refuses_a_scale_factor_that_is_not_a_finite_number():
 
     with pytest.raises(ValueError, match="extra_scale_factor"):
         muon_scale((4, 4), "spectral", extra_scale_factor=float("nan"))
+    with pytest.raises(ValueError, match="extra_scale_factor"):
+        muon_scale((4, 4), "spectral", extra_scale_factor=-1.0)
+    from optbook.optim import AdaMuon, Muon, NorMuon
+
+    for cls in (Muon, NorMuon, AdaMuon):
+        with pytest.raises(ValueError, match="extra_scale_factor"):
+            cls([torch.nn.Parameter(torch.randn(4, 3))], extra_scale_factor=-0.2)
     with pytest.raises(TypeError, match="extra_scale_factor"):
         muon_scale((4, 4), "spectral", extra_scale_factor="2")

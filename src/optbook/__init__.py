@@ -14,12 +14,12 @@ torch only: no matplotlib, no scikit-learn.
 import importlib
 
 from . import optim, precision
-from .newton_schulz import newton_schulz, ns_schedule, polar_factor
+from .newton_schulz import newton_schulz, ns_schedule, polar_express_coefficients, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
 __all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
-           "newton_schulz", "ns_schedule", "optim", "plotting", "polar_factor", "precision", "qk_clip_",
+           "newton_schulz", "ns_schedule", "optim", "plotting", "polar_express_coefficients", "polar_factor", "precision", "qk_clip_",
            "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).

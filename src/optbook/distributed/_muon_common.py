@@ -181,7 +181,7 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
 
 def scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """``scale * NS(D)`` for each full matrix ``D``: Muon's update, by the function the single-process
-    :func:`optbook.optim.muon` subtracts (:func:`optbook.optim.muon.orthogonalized_blocks`: rescaling, head
+    :func:`optbook.optim.muon` subtracts (:func:`optbook.optim.orthogonalized_blocks`: rescaling, head
     split, batching, Newton–Schulz schedule and scale are Muon's; nothing is re-implemented). A matrix cut
     into several row blocks (``head_split``) is concatenated; otherwise the update may be a view (the
     transpose of a batch entry), not contiguous."""

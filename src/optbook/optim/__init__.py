@@ -2,7 +2,7 @@
 
 ``SGD`` (chapter 1), ``Adam`` (chapter 2), ``AdamW`` and ``weight_decay_param_groups`` (chapter 3),
 ``Adafactor``, ``Lion``, ``Shampoo``, ``SOAP`` (chapter 4),
-``Muon`` (chapter 6), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step``
+``Muon`` (chapter 6; its per-matrix update ``orthogonalized_blocks``, which the distributed Muons call), ``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step``
 (a ``torch.compile``-d Adam/AdamW step, chapter 15), ``compiled_muon_step`` (the same for Muon); ``NorMuon``, ``AdaMuon``, ``Dion``, ``Scion``,
 ``ScheduleFreeAdamW`` (chapter 18, with twins ``normuon``, ``adamuon``, ``dion``, ``scion``, ``schedule_free_adamw``).
 Each class has a pure functional twin that holds the math (``sgd``, ``adam``, ``lion``, ``adafactor``,
@@ -16,7 +16,7 @@ from .chained import ChainedOptimizer
 from .compiled import adam_tensor, compiled_muon_step, compiled_step
 from .dion import Dion, dion
 from .lion import Lion, lion
-from .muon import TURBO_SCHEDULE, Muon, muon, muon_scale, split_rows
+from .muon import TURBO_SCHEDULE, Muon, muon, muon_scale, orthogonalized_blocks, split_rows
 from .normuon import NorMuon, normuon
 from .optimizer import BookOptimizer
 from .param_groups import ParamInfo, classify_parameters, format_param_groups, weight_decay_param_groups
@@ -30,7 +30,7 @@ from .soap import SOAP, soap
 __all__ = ["SGD", "SOAP", "Adafactor", "Adam", "AdamW", "BookOptimizer", "Lion", "Shampoo",
            "ChainedOptimizer", "Muon", "MuonRouting", "ParamInfo", "adafactor", "adam", "adam_tensor",
            "classify_parameters", "compiled_muon_step", "compiled_step", "format_param_groups", "lion", "muon",
-           "muon_param_groups", "muon_scale", "sgd", "shampoo", "soap", "split_rows", "TURBO_SCHEDULE",
+           "muon_param_groups", "muon_scale", "orthogonalized_blocks", "sgd", "shampoo", "soap", "split_rows", "TURBO_SCHEDULE",
            "weight_decay_param_groups",
            # chapter 18, after Muon
            "AdaMuon", "Dion", "NorMuon", "ScheduleFreeAdamW", "Scion", "adamuon", "dion", "normuon",

@@ -24,8 +24,8 @@ def momentum_directions(momentum_buffers: list[torch.Tensor], grads: list[torch.
         d  = lerp(g, m, momentum)  if nesterov  else  m
 
     Source: Polyak (1964) for the heavy ball, Sutskever et al. (2013, eq. 3-4) for the look-ahead;
-    ``m`` is ``(1 - momentum)`` times ``torch.optim.SGD``'s buffer, so the two agree exactly with
-    ``lr`` rescaled by ``1 - momentum``.
+    ``m`` is ``(1 - momentum)`` times ``torch.optim.SGD``'s buffer, so the two agree in exact arithmetic
+    (to rounding in floating point) with ``lr`` rescaled by ``1 - momentum``.
 
     Args:
         momentum_buffers, grads: lists of equal-shape, equal-dtype tensors, one entry per parameter;

@@ -55,7 +55,7 @@ def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_sc
 
     Raises:
         ValueError: unknown ``scale_mode``, a shape that is not 2-D, or an ``extra_scale_factor`` that is not
-            finite.
+            finite or is negative (a negative scale would turn every step into ascent).
         TypeError: ``extra_scale_factor`` is not a real number.
     """
     if len(shape) != 2:
@@ -71,7 +71,7 @@ def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_sc
         s = 1.0
     else:
         raise ValueError(f"Invalid scale_mode: expected one of {SCALE_MODES}, got {scale_mode!r}")
-    return s * check_number("extra_scale_factor", extra_scale_factor)
+    return s * check_number("extra_scale_factor", extra_scale_factor, low=0.0)
 
 
 def split_rows(rows: int, head_split) -> list[int]:
@@ -311,7 +311,7 @@ class Muon(BookOptimizer):
         check_lr(group["lr"])
         momentum = check_momentum(group["momentum"])
         check_weight_decay(group["weight_decay"])
-        check_number("extra_scale_factor", group["extra_scale_factor"])
+        check_number("extra_scale_factor", group["extra_scale_factor"], low=0.0)
         check_number("eps", group["eps"], low=0.0, low_open=True)
         try:
             ns_schedule(group["coefficients"], group["ns_steps"])

@@ -67,7 +67,7 @@ def check_orthogonalisation(group: dict) -> None:
     except ValueError as e:  # name the optimizer's argument, not the schedule's
         raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
     muon_scale((1, 1), group["scale_mode"])
-    check_number("extra_scale_factor", group["extra_scale_factor"])
+    check_number("extra_scale_factor", group["extra_scale_factor"], low=0.0)
     if group["ns_dtype"] not in NS_DTYPES:
         raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES}, got {group['ns_dtype']!r}")
 
