@@ -119,7 +119,10 @@ def check_command(words, problems):
     elif cmd.endswith("/bin/python") and args[:3] == ["-m", "pip", "install"]:
         target = args[3]
         url = readme_numbers.config_url(ROOT)
-        if target not in (".", f"optbook @ git+{url}"):
+        if target == install_torch.DEFAULT_TORCH:   # the book's torch, from PyTorch's CPU wheel index
+            if args[4:] != ["--index-url", "https://download.pytorch.org/whl/cpu"]:
+                problems.append(f"{line}: {target} without PyTorch's CPU wheel index")
+        elif target not in (".", f"optbook @ git+{url}"):
             problems.append(f"{line}: installs {target!r}, expected . or optbook @ git+{url}")
     else:
         problems.append(f"{line}: not a make target, a .venv program or a known system command")

@@ -184,6 +184,8 @@ def install_block() -> str:
     url = config_url(ROOT)
     return ("```bash\n"
             "python3 -m venv ~/optbook-env                  # or any environment of yours\n"
+            "# optional, first: PyTorch's CPU build (PyPI's torch on Linux is the CUDA build, several GB)\n"
+            "~/optbook-env/bin/python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n"
             "~/optbook-env/bin/python -m pip install .      # the package alone, from this clone\n"
             f'~/optbook-env/bin/python -m pip install "optbook @ git+{url}"   # or straight from GitHub\n'
             "```\n")
