@@ -42,7 +42,8 @@ Non-finite gradients: one policy per kind of step
 
 What ``step()`` returns and reports
     ``step(closure=None)`` returns the closure's loss or ``None``, as ``torch.optim.Optimizer.step``. Every
-    wrapper reports the last step in attributes: ``found_inf`` (bool), ``skipped_steps`` (int, since
+    wrapper reports the last step in attributes: ``found_inf`` (bool: the last step was skipped for a
+    non-finite gradient; a step that raises leaves it ``False``), ``skipped_steps`` (int, since
     construction, kept in its state dict) and ``last_grad_norm`` (float: the global gradient norm before
     clipping where the class computes one, else ``None``).
 

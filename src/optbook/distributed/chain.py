@@ -47,7 +47,8 @@ class DistributedChain(torch.optim.Optimizer):
     Non-finite gradients (the step contract, :mod:`optbook.contract`): there is no loss scaler, so a mean
     gradient holding ``inf`` or ``NaN`` in either member makes :meth:`step` raise
     :class:`optbook.contract.NonFiniteGradientError` on every rank before either member writes anything.
-    Attributes ``found_inf`` (the last step found one), ``skipped_steps`` (always 0 here; in the state dict)
+    Attributes ``found_inf`` (always ``False``: it raises, never skips), ``skipped_steps`` (always 0 here; in the
+    state dict)
     and ``last_grad_norm`` (the global norm before clipping, float).
 
     Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
@@ -110,7 +111,6 @@ class DistributedChain(torch.optim.Optimizer):
         """
         loss = closure_loss(closure)
         total, bad = self.muon._reduce()
-        self.found_inf = bad is not None
         if bad is not None:
             self.muon._mean_grads = None
             raise nonfinite_error("DistributedChain (Muon member)", bad, self.muon._params[bad])
@@ -120,7 +120,6 @@ class DistributedChain(torch.optim.Optimizer):
             self.adamw.step(extra_grad_sumsq=total)
         except NonFiniteGradientError as e:  # a DistributedOptimizer that raises itself (nothing written)
             self.muon._mean_grads = None
-            self.found_inf = True
             raise NonFiniteGradientError(f"DistributedChain (AdamW member): {e}") from e
         except BaseException:
             self.muon._mean_grads = None
@@ -130,7 +129,7 @@ class DistributedChain(torch.optim.Optimizer):
         if self.adamw.found_inf:  # a DistributedOptimizer that skipped (it wrote nothing): here it is an error
             self.muon._mean_grads = None
             self.adamw.skipped_steps = saved_skipped
-            self.found_inf = True
+            self.adamw.found_inf = False
             raise NonFiniteGradientError("DistributedChain.step: a mean gradient of the AdamW member holds inf or "
                                          "NaN, on every rank; nothing was changed (without a loss scaler a "
                                          "non-finite gradient is an error: find its cause)")

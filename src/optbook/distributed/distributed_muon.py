@@ -84,7 +84,8 @@ class DistributedMuon(Muon):
             :class:`optbook.distributed.wire.CommCounter`.
         last_grad_norm: the global norm of the mean gradient at the last step, before clipping (float;
             ``None`` before the first step).
-        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        found_inf: always ``False``: a non-finite mean gradient raises, it is never skipped (``found_inf``
+            reports a skipped step, as in every wrapper; :mod:`optbook.contract`).
         skipped_steps: always 0 (no loss scaler to skip with); kept in the state dict.
 
     Who owns the weights (:mod:`optbook.contract`): the flat parameter buffer is this optimizer's copy of the
@@ -241,8 +242,7 @@ class DistributedMuon(Muon):
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(stats, group=self.process_group)
         self.comm_bytes["control"] += 16
-        self.found_inf = bool(stats[1] > 0)
-        if self.found_inf:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
+        if stats[1] > 0:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
             bad = common.first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
                 p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
             first = torch.tensor([len(self._params) if bad is None else self.pieces[bad].index], device=self.device)

@@ -184,7 +184,8 @@ class LayerWiseMuon(Muon):
             construction (module docstring's convention); :meth:`predicted_comm_bytes` per step.
         last_grad_norm: the L2 norm of the averaged gradients at the last step, before clipping (float;
             ``None`` before the first step).
-        found_inf: whether the last :meth:`step` found a non-finite mean gradient (it then raised).
+        found_inf: always ``False``: a non-finite mean gradient raises, it is never skipped (``found_inf``
+            reports a skipped step, as in every wrapper; :mod:`optbook.contract`).
         skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
             with (kept in the state dict, as every optbook wrapper's).
 
@@ -373,7 +374,6 @@ class LayerWiseMuon(Muon):
         """
         loss = closure_loss(closure)
         total, bad = self._reduce()
-        self.found_inf = bad is not None
         if bad is not None:
             self._mean_grads = None
             raise nonfinite_error("LayerWiseMuon", bad, self._params[bad])
