@@ -260,8 +260,8 @@ class FSDP2Muon(Muon):
         if self.max_grad_norm is not None:
             grads = local([p.grad for p in self._params if p.grad is not None])
             # no gradient on this rank: a zero on the CPU, or on the current GPU for NCCL (it reduces no CPU tensor)
-            group = dist.group.WORLD if self.process_group is None else self.process_group
-            sumsq = grad_sumsq(grads, device=_reduce_device(grads, group))
+            mesh_group = dist.group.WORLD if self.process_group is None else self.process_group
+            sumsq = grad_sumsq(grads, device=_reduce_device(grads, mesh_group))
             dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
             self.last_grad_norm = float(sumsq.sqrt())
             coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)

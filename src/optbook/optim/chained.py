@@ -97,6 +97,17 @@ def _check_member(i: int, opt) -> None:
                         "MixedPrecisionOptimizer(ChainedOptimizer([...]), loss_scaler)")
 
 
+def _chain_groups(message: str, first: int) -> str:
+    """A member's message with its ``param_groups[g]`` renumbered as the chain's (its first group is the
+    chain's group ``first``)."""
+    return re.sub(r"\bparam_groups\[(\d+)\]", lambda m: f"param_groups[{int(m[1]) + first}]", message)
+
+
+def _member_error(error: Exception, k: int, opt, message: str) -> Exception:
+    """``error``'s type with ``message`` and the member that raised it."""
+    return type(error)(f"{message} (member {k}, {type(opt).__name__}, of the chain)")
+
+
 class ChainedOptimizer(torch.optim.Optimizer):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
@@ -284,9 +295,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                         opt._validate()
                     except (TypeError, ValueError) as e:
                         # the member names its own groups; the caller sees the chain's (as load_state_dict)
-                        message = re.sub(r"\bparam_groups\[(\d+)\]",
-                                         lambda m, first=first: f"param_groups[{int(m[1]) + first}]", str(e))
-                        raise type(e)(f"{message} (member {k}, {type(opt).__name__}, of the chain)") from e
+                        raise _member_error(e, k, opt, _chain_groups(str(e), first)) from e
                 first += len(opt.param_groups)
             named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
@@ -332,7 +341,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
             def in_chain_terms(message: str, back=back, first=first) -> str:
                 message = re.sub(r"\bstate\[(\d+)\]", lambda m: f"state[{back.get(int(m[1]), m[1])}]", message)
-                return re.sub(r"\bparam_groups\[(\d+)\]", lambda m: f"param_groups[{int(m[1]) + first}]", message)
+                return _chain_groups(message, first)
 
             parts.append(({"state": {renumber[i]: s for i, s in state.items() if i in renumber},
                            "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in mine]},
@@ -369,8 +378,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     _check_like_current(opt, part)
             except (TypeError, ValueError) as e:
                 # a wrapper member's own dict keeps its own indices; a part's indices are the chain dict's
-                message = str(e) if _own_format(opt) else in_chain_terms(str(e))
-                raise type(e)(f"{message} (member {k}, {type(opt).__name__}, of the chain)") from e
+                raise _member_error(e, k, opt, str(e) if _own_format(opt) else in_chain_terms(str(e))) from e
 
     @torch._disable_dynamo
     def state_dict(self) -> dict:
