@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ._checks import check_int
 
 __all__ = ["LRSchedule", "WeightDecaySchedule", "SampleScheduler", "STYLES", "WSD_DECAY_STYLES"]
 
@@ -27,9 +28,7 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 def _count(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Invalid {name}: expected an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(name, value, minimum)
 
 
 def _decay_coeff(style: str, ratio: float) -> float:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..contract import NonFiniteGradientError
 from ..optim import muon
 from ..optim.muon import orthogonalized_blocks
-from ..optim._validation import check_int, check_number
+from .._checks import check_int, check_number
 from ..optim.optimizer import all_finite, check_hyperparameters
 from ._ranks import global_rank, params_difference
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
 from ..optim import Muon, muon
-from ..optim._validation import check_int
+from .._checks import check_int
 from ..optim.muon import split_rows
 from ._collectives import all_gather
 from ._muon_common import (
@@ -149,7 +149,8 @@ def rank_loads(costs, owners, world_size: int) -> list:
         raise ValueError(f"Invalid owners: {len(owners)} owners for {len(costs)} costs")
     loads = [0] * world_size
     for c, r in zip(costs, owners):
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+        check_int("owners[i]", r, 0)
+        if r >= world_size:
             raise ValueError(f"Invalid owners: {r!r} is not a rank in 0 .. {world_size - 1}")
         loads[r] += c
     return loads

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import LOW_PRECISION
+
 __all__ = ["LOW_PRECISION", "in_float32", "momentum_directions", "use_foreach", "write_back"]
 
 
@@ -57,9 +59,6 @@ def use_foreach(foreach: bool | None, params: list[torch.Tensor]) -> bool:
         return bool(params) and all(p.is_cuda for p in params)
     return foreach
 
-
-#: Parameter dtypes whose update is computed in float32 and written back once.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def in_float32(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

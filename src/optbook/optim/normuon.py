@@ -31,7 +31,7 @@ import torch
 
 from ..newton_schulz import newton_schulz, ns_schedule
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
-from ._validation import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import NS_DTYPES, exact_rescale, muon_scale
 from .optimizer import BookOptimizer
 
