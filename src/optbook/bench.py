@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import gram_backend, gram_xxt
-from .newton_schulz import ALGORITHMS, GRAM_RESTARTS, check_restarts, newton_schulz, ns_schedule
+from .polar import ALGORITHMS, GRAM_RESTARTS, check_restarts, newton_schulz, ns_schedule
 from ._checks import check_int
 
 __all__ = ["NSOverhead", "main", "ns_flops", "ns_overhead", "orthogonality_error", "run_benchmark",

@@ -76,6 +76,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._checks import check_params
+
 __all__ = [
     "COLUMNS",
     "CONTRACT",

@@ -92,6 +92,8 @@ class LRSchedule:
             if self.wsd_decay_style not in WSD_DECAY_STYLES:
                 raise ValueError(f"Invalid wsd_decay_style: expected one of {WSD_DECAY_STYLES}, "
                                  f"got {self.wsd_decay_style!r}")
+            if self.wsd_decay is None:
+                raise ValueError("Invalid wsd_decay: style='wsd' needs wsd_decay, the length of the final decay")
             _count("wsd_decay", self.wsd_decay, 1)
             if self.wsd_decay > self.total - self.warmup:
                 raise ValueError(f"Invalid wsd_decay: {self.wsd_decay} does not fit after the warmup "

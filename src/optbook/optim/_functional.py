@@ -1,7 +1,7 @@
 """Pieces of math that several optimizers of :mod:`optbook.optim` share, written once.
 
 ``momentum_directions`` is the EMA (lerp) momentum with the optional Nesterov look-ahead of chapter 1,
-used by :func:`optbook.optim.sgd` and :func:`optbook.optim.muon`; ``use_foreach`` is the rule that picks
+used by :func:`optbook.optim.functional.sgd` and :func:`optbook.optim.functional.muon`; ``use_foreach`` is the rule that picks
 the ``torch._foreach_*`` path, used by :class:`~optbook.optim.SGD` and :class:`~optbook.optim.Adam`;
 ``in_float32``/``write_back`` compute the update of a float16/bfloat16 parameter in float32 and round
 it into the parameter (and its state) once, as mixed-precision training keeps master weights in

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..newton_schulz import PRECONDITIONERS, newton_schulz, ns_schedule
+from ..polar import PRECONDITIONERS, newton_schulz, ns_schedule
 from ._functional import momentum_directions
 from .._checks import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
