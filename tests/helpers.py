@@ -1,8 +1,22 @@
 """Shared test fixtures: a reproducible multi-group problem to drive optimizers side by side."""
 
 import copy
+import os
 
 import torch
+
+#: The one setting behind every timeout of the tests (a launch's collective timeout, a subprocess's limit, a
+#: wait for a worker): each is a base value in seconds, sized for an idle 2-core machine, times this factor.
+#: ``OPTBOOK_TEST_TIMEOUT_SCALE`` (default 3: room for a machine shared with other jobs) sets it; a timeout
+#: only bounds how long a hung run waits before it fails, so a generous one costs nothing when all is well.
+TIMEOUT_SCALE = float(os.environ.get("OPTBOOK_TEST_TIMEOUT_SCALE", "3"))
+if not TIMEOUT_SCALE > 0:
+    raise ValueError(f"OPTBOOK_TEST_TIMEOUT_SCALE must be a number > 0, got {TIMEOUT_SCALE}")
+
+
+def scaled_timeout(seconds: float) -> float:
+    """``seconds`` (a timeout's base value) times :data:`TIMEOUT_SCALE` (``OPTBOOK_TEST_TIMEOUT_SCALE``)."""
+    return seconds * TIMEOUT_SCALE
 
 
 def make_params(seed=0, dtype=torch.float64):

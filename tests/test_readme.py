@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -152,7 +153,7 @@ def test_inline_commands_use_make_or_the_venv():
                          ids=lambda a: a[0])
 def test_cheap_commands_run(argv):
     assert [".venv/bin/python", *argv] in commands()
-    out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=scaled_timeout(60))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
