@@ -316,10 +316,116 @@ def test_sections_left_for_the_contract_table_and_the_composition_matrix():
         assert start in section and end in section
 
 
-def test_quick_start_opens_the_chapters_in_jupyterlab():
+def make_dry_run(target: str, venv: Path) -> str:
+    """``make -n TARGET`` against the virtual environment ``venv`` (not the repository's own ``.venv``, whose
+    state depends on which targets ran before: after a first ``make lab`` nothing is left to install)."""
+    return subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=scaled_timeout(60)).stdout
+
+
+def test_quick_start_opens_the_chapters_in_jupyterlab(tmp_path):
     quick = README[README.index("## Quick start: the book"):README.index("## Quick start: the package")]
     assert "make lab" in quick and "lab" in MAKE_TARGETS
-    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True).stdout
+    dry = make_dry_run("lab", tmp_path / "fresh")   # a fresh clone: the venv, then the lab extra, then the lab
     assert re.search(r"jupyter lab (--allow-root )?book/00_preface.ipynb", dry) and '-e ".[lab]"' in dry
+    assert dry.index("-m venv") < dry.index('-e ".[lab]"') < dry.index("jupyter lab")
     assert re.search(r'(?ms)^\[project.optional-dependencies\].*^lab = \["jupyterlab>=4', (ROOT / "pyproject.toml").read_text())
     assert os.path.exists(ROOT / "book" / "00_preface.ipynb")
+
+
+def test_the_quick_start_in_its_own_order_leaves_the_lab_check_true(tmp_path):
+    """After ``make book`` and a first ``make lab`` (their marker files in the venv, newer than what they were
+    made from), a second ``make lab`` installs nothing and still opens the Preface; the check above does not
+    depend on that state (it failed on a clone where ``make lab`` had run once)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for marker in (".installed", ".lab"):
+        (venv / marker).touch()
+    later = max((ROOT / f).stat().st_mtime for f in ("requirements.txt", "pyproject.toml")) + 10
+    for marker in (".installed", ".lab"):
+        os.utime(venv / marker, (later, later))
+    dry = make_dry_run("lab", venv)
+    assert re.search(r"jupyter lab (--allow-root )?book/00_preface.ipynb", dry)
+    assert '-e ".[lab]"' not in dry and "-m venv" not in dry
+    test_quick_start_opens_the_chapters_in_jupyterlab(tmp_path)
+
+
+def fake_python(directory: Path, version: str) -> Path:
+    """A stand-in for ``PYTHON`` that reports ``version`` and makes an (empty) venv when asked, logging its
+    arguments to ``calls.log``: what an old Python would leave behind without the check."""
+    path = directory / "python"
+    path.write_text("#!/bin/sh\n"
+                    f'echo "$@" >> "{directory}/calls.log"\n'
+                    f'case "$1" in --version) echo "Python {version}";; -m) [ "$2" = venv ] && mkdir -p "$3/bin";; esac\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_a_python_older_than_3_10_is_named_before_a_venv_is_made(tmp_path):
+    python, venv = fake_python(tmp_path, "3.9.18"), tmp_path / "venv"
+    done = subprocess.run(["make", "setup", f"PYTHON={python}", f"VENV={venv}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=scaled_timeout(60))
+    assert done.returncode != 0
+    assert "Python 3.10 or newer is needed" in done.stderr and "Python 3.9.18" in done.stderr, done.stderr
+    assert "ResolutionImpossible" not in done.stderr + done.stdout
+    assert not venv.exists()                                                   # nothing to clean up
+    assert "venv" not in (tmp_path / "calls.log").read_text()                  # it was only asked its version
+    assert re.search(r'(?m)^requires-python = ">=3\.10"', (ROOT / "pyproject.toml").read_text())
+
+
+def test_a_venv_left_by_an_older_python_is_named_with_the_way_out(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake_python(venv / "bin", "3.9.18")
+    done = subprocess.run(["make", "python-version", f"PYTHON={sys.executable}", f"VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=scaled_timeout(60))
+    assert done.returncode != 0 and f"rm -rf {venv}" in done.stderr and "Python 3.9.18" in done.stderr
+    ok = subprocess.run(["make", "python-version", f"PYTHON={sys.executable}", f"VENV={tmp_path / 'none'}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=scaled_timeout(60))
+    assert ok.returncode == 0, ok.stderr
+
+
+build_pdf = load_tool("build_pdf")
+
+
+def test_make_pdf_writes_only_under_build_and_pdf_numbers_records(tmp_path):
+    venv = tmp_path / "venv"
+    pdf = make_dry_run("pdf", venv)
+    recipe = pdf[pdf.index("jupyter-book build"):]
+    assert "tools/build_pdf.py --out _build/pdf/book.pdf" in recipe
+    assert "records/" not in recipe and "readme_numbers" not in recipe and "README" not in recipe
+    import inspect
+    assert inspect.signature(build_pdf.record).parameters["path"].default is inspect.Parameter.empty  # no default
+    numbers = make_dry_run("pdf-numbers", venv)
+    assert "cp _build/pdf/book.json records/pdf.json" in numbers and "readme_numbers.py --write" in numbers
+
+
+def test_a_chromium_that_fails_ends_make_pdf_with_one_line_not_a_traceback(tmp_path):
+    site = tmp_path / "site"
+    (site / "book").mkdir(parents=True)
+    (site / "book" / "00_preface.html").write_text("<html><body>x</body></html>")
+    driver = tmp_path / "chromedriver"
+    driver.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 1\n")
+    driver.chmod(0o755)
+    env = {**os.environ, "CHROMEDRIVER": str(driver), "CHROMIUM": "/bin/sh"}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "build_pdf.py"), "--site", str(site),
+                           "--out", str(tmp_path / "book.pdf")], capture_output=True, text=True, env=env,
+                          timeout=scaled_timeout(120))
+    assert done.returncode == 1
+    assert done.stderr.startswith("PDF not written: Chromium failed"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "--timeout" in done.stderr
+    assert not (tmp_path / "book.pdf").exists() and not (tmp_path / "book.json").exists()
+
+
+def test_the_pdf_record_counts_notebooks_as_notebooks(tmp_path):
+    import json
+
+    pdf = tmp_path / "book.pdf"
+    pdf.write_bytes(b"%PDF-1.4 /Type /Pages /Type /Page /Type /Page /Type /Page")
+    rec = build_pdf.record(pdf, {"typeset": 7, "seconds_to_typeset": 1.0}, tmp_path / "book.json")
+    toc = (ROOT / "_toc.yml").read_text()
+    entries = re.findall(r"(?m)^\s*(?:root|-\s*file):\s*(\S+)", toc)
+    notebooks = [e for e in entries if (ROOT / f"{e}.ipynb").is_file()]
+    assert rec["notebooks"] == len(notebooks) and rec["other_pages"] == len(entries) - len(notebooks) > 0
+    assert rec["pages"] == 3 and rec["formulas"] == 7 and rec["commit"]
+    assert json.loads((tmp_path / "book.json").read_text()) == rec
