@@ -49,7 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ROOT / "records"
 BLOCK_RE = re.compile(r"(<!-- numbers:(?P<key>[\w:-]+) -->\n)(?P<body>.*?)(<!-- /numbers:(?P=key) -->)", re.S)
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tools")]
-from chapter_times import BUDGET  # noqa: E402  (the chapters' run-time budget, one copy)
+from chapter_times import BUDGET, rounded  # noqa: E402  (the chapters' run-time budget and rounding, one copy)
 from recording import describe  # noqa: E402  (the benchmarks' environment line, one copy)
 from set_repository_url import config_url  # noqa: E402
 
@@ -153,7 +153,7 @@ def chapter_times_block() -> str:
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     text = (f"The chapters' run times, one at a time (`book/runtimes.json`, measured {when} on a "
             f"{'/'.join(map(str, cores))}-core CPU), add up to {total / 60:.0f} min; the longest are "
-            + ", ".join(f"{k} ({seconds[k]:.0f} s)" for k in longest) + ". ")
+            + ", ".join(f"{k} (about {rounded(seconds[k])})" for k in longest) + ". ")
     text += (f"Over the {BUDGET} s budget: " + ", ".join(over) + "." if over else
              f"Every chapter fits the {BUDGET} s budget.")
     return text + "\n"
