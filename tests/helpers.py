@@ -65,18 +65,29 @@ def toc_files(toc: dict) -> list[str]:
     return [toc["root"]] + [f for part in toc.get("parts", []) for f in walk(part["chapters"])]
 
 
+#: The pages that hold generated sections (``<!-- NAME:start -->`` ... ``<!-- NAME:end -->``): the README and
+#: the book's API page (the step contract and the composition matrix moved there from the README).
+GENERATED_PAGES = ("README.md", "book/api_contract.md", "CONTRIBUTING.md", "benchmarks/README.md")
+
+
 def check_readme_section(name: str, generated: str, path=None) -> None:
-    """Compare the README's section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with
-    ``generated`` (the section's body); ``OPTBOOK_UPDATE_README=1`` rewrites the section instead."""
+    """Compare the section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` of the page that holds it
+    (``path``, else the one of :data:`GENERATED_PAGES` with the markers) with ``generated`` (the section's
+    body); ``OPTBOOK_UPDATE_README=1`` rewrites the section instead."""
     import os
     import pathlib
 
-    path = pathlib.Path(path or pathlib.Path(__file__).resolve().parent.parent / "README.md")
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if path is None:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        holders = [root / p for p in GENERATED_PAGES if (root / p).is_file() and start in (root / p).read_text()]
+        assert len(holders) == 1, f"the section {name} should be on exactly one of {GENERATED_PAGES}: {holders}"
+        path = holders[0]
+    path = pathlib.Path(path)
     text = path.read_text()
     i, j = text.index(start) + len(start), text.index(end)
     body = "\n" + generated.strip("\n") + "\n"
     if os.environ.get("OPTBOOK_UPDATE_README") == "1":
         path.write_text(text[:i] + body + text[j:])
     else:
-        assert text[i:j] == body, f"{path.name}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"
+        assert text[i:j] == body, f"{path}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"

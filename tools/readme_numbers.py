@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Write the README's measured numbers from the records the repository keeps, so they cannot go stale.
+"""Write the measured numbers that the README, CONTRIBUTING.md and benchmarks/README.md quote, from the
+records the repository keeps, so they cannot go stale.
 
-Every number the README quotes from a run sits between two marker lines, ``<!-- numbers:KEY -->`` and
-``<!-- /numbers:KEY -->``, and is generated from one record:
+Every number these pages quote from a run sits between two marker lines, ``<!-- numbers:KEY -->`` and
+``<!-- /numbers:KEY -->`` (in any of :data:`PAGES`), and is generated from one record:
 
 =======================  =================================================================================
 KEY                      record (written by)
@@ -10,12 +11,13 @@ KEY                      record (written by)
 ``tests``                ``records/tests.json`` (``--record-tests``: pytest's collection of ``make test``)
 ``chapter-times``        ``book/runtimes.json`` (``tools/chapter_times.py --measure``)
 ``bench:NAME``           ``benchmarks/results/NAME.json`` (``make bench``: each benchmark writes its own)
+``quickstart``           ``benchmarks/results/bench_quickstart.json`` (the package quick start's run time)
 ``muon-runs``            the ``history`` of ``benchmarks/results/bench_muon.json``
 ``zero1-targets``        the ``history`` of ``benchmarks/results/bench_zero1.json``
 ``adamw-runs``           the ``history`` of ``benchmarks/results/bench_adamw.json``
 ``compiled-runs``        the ``history`` of ``benchmarks/results/bench_compiled_step.json``
 ``fsdp2-runs``           the ``history`` of ``benchmarks/results/bench_fsdp2.json``
-``pdf``                  ``records/pdf.json`` (``make pdf``: ``tools/build_pdf.py``)
+``pdf``                  ``records/pdf.json`` (``make pdf-numbers``: ``tools/build_pdf.py``'s record)
 ``book-link``            ``repository.url`` in ``_config.yml`` (the GitHub Pages address of the built book)
 ``install``              ``repository.url`` (the package's install lines)
 ``citation``             ``CITATION.cff`` (a BibTeX entry), whose ``repository-code`` and ``url`` follow
@@ -24,8 +26,8 @@ KEY                      record (written by)
 
 ::
 
-    python tools/readme_numbers.py --check          # exit 1 (and a diff) when the README disagrees
-    python tools/readme_numbers.py --write          # rewrite the marked blocks from the records
+    python tools/readme_numbers.py --check          # exit 1 (and a diff) when a page disagrees
+    python tools/readme_numbers.py --write          # rewrite the marked blocks of every page from the records
     python tools/readme_numbers.py --record-tests   # re-count the tests (pytest --collect-only), then --write
 
 ``tests/test_readme.py`` runs the check.
@@ -45,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The pages with ``numbers:`` blocks.
+PAGES = (README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md")
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ROOT / "records"
 BLOCK_RE = re.compile(r"(<!-- numbers:(?P<key>[\w:-]+) -->\n)(?P<body>.*?)(<!-- /numbers:(?P=key) -->)", re.S)
@@ -161,11 +165,27 @@ def chapter_times_block() -> str:
 
 def pdf_block() -> str:
     rec = load(RECORDS / "pdf.json")
-    what = (f"chapters {rec['chapters']}" if "chapters" in rec else f"{rec['notebooks']} notebooks")
-    time = (f"about {rec['minutes']} minutes in all" if "minutes" in rec
-            else f"{rec['seconds_to_typeset']:.0f} s to typeset")
-    return (f"Last recorded run ({rec['date']}, {rec['cores']} cores, {what}): {rec['pages']} pages, "
-            f"{rec['formulas']} formulas, {time} (`records/pdf.json`, rewritten by every `make pdf`).\n")
+    what = f"{rec['notebooks']} notebooks" + (f" and {rec['other_pages']} other pages" if "other_pages" in rec else
+                                               " (a count of the table of contents' pages, Markdown ones included)")
+    commit = f" at commit {rec['commit']}" if "commit" in rec else ", commit not recorded"
+    return (f"Last recorded run ({rec['date']}{commit}, {rec['cores']} cores, {what}): {rec['pages']} pages, "
+            f"{rec['formulas']} formulas, {rec['seconds_to_typeset']:.0f} s to typeset (`records/pdf.json`, "
+            "written by `make pdf-numbers`; `make pdf` writes only under `_build`).\n")
+
+
+def quickstart_block() -> str:
+    rec = load(RESULTS / "bench_quickstart.json")
+    s, env, data = rec["data"]["seconds"], rec["environment"], rec["data"]
+    load_range = f"{data['load_average_before']:.0f} before the runs, {data['load_average_after']:.0f} after"
+    return (f"How long: on a {env['cores']}-core {env['cpu']} shared with other jobs (load average {load_range}), "
+            f"the snippet took {s['OMP_WAIT_POLICY=PASSIVE']:.0f} s with `OMP_WAIT_POLICY=PASSIVE` set before "
+            f"Python starts (idle OpenMP threads sleep; every `make` target sets it), "
+            f"{s['torch.set_num_threads(1)']:.0f} s with `torch.set_num_threads(1)` added after "
+            f"`torch.manual_seed(0)`, and {s['as written']:.0f} s as written, where idle OpenMP threads spin and take "
+            f"the cores from the thread that has work (`benchmarks/bench_quickstart.py`, {env['date']}). Spinning "
+            "costs most when other jobs share the cores, as here: then `export OMP_WAIT_POLICY=PASSIVE` before "
+            "starting Python, or use one thread. The OpenMP runtime reads the variable once, when torch loads, so a package "
+            "imported after torch cannot set it.\n")
 
 
 def pages_url(url: str) -> str:
@@ -220,6 +240,7 @@ def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
     makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
+              "quickstart": quickstart_block,
               "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "fsdp2-runs": fsdp2_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
     if key not in makers:
@@ -259,18 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.record_tests:
         print(f"records/tests.json: {record_tests()}")
     stale = 0
-    for path, make in ((README, render), (CITATION, citation_text)):
+    for path, make in [*((page, render) for page in PAGES), (CITATION, citation_text)]:
         text = path.read_text(encoding="utf-8")
         new = make(text)
         if new == text:
             continue
         if args.write or args.record_tests:
             path.write_text(new, encoding="utf-8")
-            print(f"{path.name}: rewritten from the records")
+            print(f"{path.relative_to(ROOT)}: rewritten from the records")
         else:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
                                                        path.name, f"{path.name} (from the records)"))
-            print(f"{path.name} disagrees with the records: run .venv/bin/python tools/readme_numbers.py --write",
+            print(f"{path.relative_to(ROOT)} disagrees with the records: run .venv/bin/python tools/readme_numbers.py --write",
                   file=sys.stderr)
             stale = 1
     return stale
