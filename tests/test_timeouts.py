@@ -89,3 +89,12 @@ def test_the_scale_comes_from_the_environment_with_a_generous_default():
     done = subprocess.run([sys.executable, "-c", code], cwd=TESTS, capture_output=True, text=True, env=env,
                           timeout=scaled_timeout(60))
     assert done.returncode != 0 and "OPTBOOK_TEST_TIMEOUT_SCALE must be a number > 0" in done.stderr
+
+
+def test_the_readme_names_the_setting_and_its_default():
+    readme = (TESTS.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### The tests"):readme.index("\n## ", readme.index("### The tests"))]
+    assert "`OPTBOOK_TEST_TIMEOUT_SCALE`" in section
+    default = os.environ.get("OPTBOOK_TEST_TIMEOUT_SCALE")
+    if default is None:
+        assert f"(default {TIMEOUT_SCALE:g})" in section

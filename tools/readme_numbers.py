@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Write the measured numbers that the README, CONTRIBUTING.md and benchmarks/README.md quote, from the
-records the repository keeps, so they cannot go stale.
+"""Write the measured numbers that the README, CONTRIBUTING.md, benchmarks/README.md (the current table of each
+benchmark) and records/README.md (the earlier runs) quote, from the records the repository keeps, so they
+cannot go stale.
 
 Every number these pages quote from a run sits between two marker lines, ``<!-- numbers:KEY -->`` and
 ``<!-- /numbers:KEY -->`` (in any of :data:`PAGES`), and is generated from one record:
@@ -48,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: The pages with ``numbers:`` blocks.
-PAGES = (README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md")
+PAGES = (README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md", ROOT / "records" / "README.md")
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ROOT / "records"
 BLOCK_RE = re.compile(r"(<!-- numbers:(?P<key>[\w:-]+) -->\n)(?P<body>.*?)(<!-- /numbers:(?P=key) -->)", re.S)
