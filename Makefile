@@ -153,7 +153,8 @@ clean:
 
 # One prepared check for a machine with a CUDA GPU (a CUDA build of torch: `make torch-cuda`): Newton-Schulz
 # TFLOP/s against the measured bf16 matmul rate, the symmetric Gram kernel against bmm, Gram against standard
-# Newton-Schulz (tools/gpu_check.py: _build/gpu_check.json and one verdict line), nbval of chapters 5, 6 and 15
+# Newton-Schulz (tools/gpu_check.py: _build/gpu_check.json and one verdict line; a FAIL stops here with exit
+# status 1), nbval of chapters 5, 6 and 15
 # on the GPU, and the ZeRO-1 demo over NCCL under torchrun on every visible GPU. `make gpu-check DRY_RUN=1`
 # runs the same script end to end on a CPU with small shapes and no verdict (CI runs it).
 DRY_RUN ?=

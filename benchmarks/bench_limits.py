@@ -138,6 +138,18 @@ def elementwise(args, lines: list[str]) -> dict:
             ratio = ms[(name, kind)] / limit
             rows[f"{name} / {kind}"] = round(ratio, 3)
             lines.append(f"{name:<20} {kind:<17} {nbytes:11.1f} {limit:9.2f} {ms[(name, kind)]:8.2f} {ratio:8.2f}x")
+    verdicts = []
+    for name in OPTIMIZERS:
+        fused, foreach = rows.get(f"{name} / torch fused"), rows.get(f"{name} / torch foreach")
+        eager, compiled = rows[f"{name} / optbook eager"], rows.get(f"{name} / optbook compiled")
+        if fused is not None:
+            verdicts.append(f"{name} fused {fused:.2f}x (<= 1.1: {'met' if fused <= 1.1 else 'missed'})")
+        if compiled is not None:
+            verdicts.append(f"{name} compiled {compiled:.2f}x (<= 1.5: {'met' if compiled <= 1.5 else 'missed'})")
+        if foreach is not None:
+            verdicts.append(f"{name} eager / torch foreach {eager / foreach:.2f} "
+                            f"(<= 1.05: {'met' if eager / foreach <= 1.05 else 'missed'})")
+    lines.append("targets in this run: " + "; ".join(verdicts))
     if any(r < 1 for r in rows.values()):
         lines.append("a ratio under 1.00x: that step streamed better than the measured passes (the limit is an "
                      "estimate here, not a bound)")
@@ -173,6 +185,8 @@ def newton_schulz_vs_gemms(args, lines: list[str], flags: list[str]) -> dict:
             key = f"{m}x{n} {str(dtype).replace('torch.', '')}"
             out[key] = round(a / b, 3)
             lines.append(f"{m}x{n:<6} {str(dtype).replace('torch.', ''):<9} {a:16.3f} {b:14.3f} {a / b:5.2f}x")
+    lines.append("target newton_schulz <= 1.15x its bare GEMMs, in this run: " + ", ".join(
+        f"{k} {'met' if v <= 1.15 else 'missed'}" for k, v in out.items()))
     if len(dtypes) == 1:
         lines.append("bfloat16 not measured: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16)")
     return out
