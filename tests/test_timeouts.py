@@ -98,3 +98,17 @@ def test_the_readme_names_the_setting_and_its_default():
     default = os.environ.get("OPTBOOK_TEST_TIMEOUT_SCALE")
     if default is None:
         assert f"(default {TIMEOUT_SCALE:g})" in section
+
+
+def test_nbval_timeouts_are_scaled_by_the_same_setting(pytestconfig):
+    """pyproject.toml's --nbval-cell-timeout (and nbval's kernel start) times OPTBOOK_TEST_TIMEOUT_SCALE."""
+    import re
+
+    base = float(re.search(r"--nbval-cell-timeout=(\d+)", (TESTS.parent / "pyproject.toml").read_text()).group(1))
+    if pytestconfig.getoption("nbval_cell_timeout", default=None) is None:
+        pytest.skip("nbval is not loaded in this run")
+    if "--nbval-cell-timeout=" in " ".join(pytestconfig.invocation_params.args):
+        pytest.skip("the cell timeout was given on the command line")
+    addopts = pytestconfig.getini("addopts")
+    if any(a.startswith("--nbval-cell-timeout=") for a in addopts):
+        assert pytestconfig.option.nbval_cell_timeout == base * TIMEOUT_SCALE
