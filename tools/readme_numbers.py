@@ -18,6 +18,7 @@ KEY                      record (written by)
 ``adamw-runs``           the ``history`` of ``benchmarks/results/bench_adamw.json``
 ``compiled-runs``        the ``history`` of ``benchmarks/results/bench_compiled_step.json``
 ``fsdp2-runs``           the ``history`` of ``benchmarks/results/bench_fsdp2.json``
+``limits-runs``          every run of ``benchmarks/results/bench_limits.json`` (its ``history`` and the record)
 ``pdf``                  ``records/pdf.json`` (``make pdf-numbers``: ``tools/build_pdf.py``'s record)
 ``book-link``            ``repository.url`` in ``_config.yml`` (the GitHub Pages address of the built book)
 ``install``              ``repository.url`` (the package's install lines)
@@ -141,6 +142,31 @@ def compiled_runs() -> str:
     return "Earlier: " + "; ".join(parts) + ".\n"
 
 
+def limits_runs() -> str:
+    rec = load(RESULTS / "bench_limits.json")
+    runs = rec.get("history", []) + [{"environment": rec["environment"], "data": rec["data"],
+                                      "what": "the table in benchmarks/README.md"}]
+
+    def span(values):
+        return f"{min(values):.2f}-{max(values):.2f}" if values else "n/a"
+
+    rows = []
+    for run in runs:
+        d, env = run["data"], run["environment"]
+        vs = d["elementwise"]["vs_limit"]
+        ns = d["newton_schulz"]
+        rows.append([env["date"], run["what"], f"{d.get('load_average_start', env['load_average_1min'])}",
+                     f"{max(d['elementwise']['bandwidth_gb_s'].values()):.1f}",
+                     span([v for k, v in vs.items() if k.endswith("optbook eager")]),
+                     span([v for k, v in vs.items() if k.endswith("torch fused")]),
+                     span([v for k, v in vs.items() if k.endswith("optbook compiled")]),
+                     span([v for k, v in ns.items() if k.endswith("float32")]),
+                     span([v for k, v in ns.items() if k.endswith("bfloat16")])])
+    return markdown_table(["date", "run", "load average at the end", "best pass GB/s", "optbook eager / limit",
+                           "torch fused / limit", "compiled / limit", "NS / GEMMs float32", "NS / GEMMs bfloat16"],
+                          rows)
+
+
 def tests_block() -> str:
     rec = load(RECORDS / "tests.json")
     return (f"`make test` collects {rec['collected']} tests (unit tests plus one per notebook cell; "
@@ -241,7 +267,7 @@ def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
     makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
-              "quickstart": quickstart_block,
+              "quickstart": quickstart_block, "limits-runs": limits_runs,
               "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "fsdp2-runs": fsdp2_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
     if key not in makers:
