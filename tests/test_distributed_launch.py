@@ -65,8 +65,9 @@ def test_a_failing_rank_fails_the_launch_with_its_rank_and_traceback_without_han
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 raised") as info:
         launch(raise_on_rank, WORLD_SIZE, bad_rank=1, timeout=scaled_timeout(120.0))
     assert "ValueError: rank 1 fails on purpose" in str(info.value) and "Traceback" in str(info.value)
-    # Rank 0, left waiting in its barrier, was stopped by the launch as soon as rank 1's error arrived: the
-    # report has no timeout of its own (nor the launch's "did not finish"), and no process of the launch is left.
+    # Rank 0, left waiting in its barrier, was stopped by the launch as soon as rank 1's
+    # error arrived: the report has no timeout of its own (nor the launch's "did not finish"),
+    # and no process of the launch is left.
     assert "Timed out" not in str(info.value) and "did not finish" not in str(info.value)
     assert not multiprocessing.active_children()
 

@@ -328,8 +328,9 @@ def test_a_rank_that_raises_mid_run_fails_every_rank_quickly():
     with pytest.raises(RuntimeError, match="rank 1 of 2 raised") as info:
         launch(layerwise_raise_mid_run, 2, bad_rank=1, at_step=2, timeout=scaled_timeout(120.0))
     assert "fails on purpose at step 2" in str(info.value)
-    # Rank 0, left waiting in the all-reduce, was stopped by the launch as soon as rank 1's error arrived: the
-    # report has no timeout of its own (nor the launch's "did not finish"), and no process of the launch is left.
+    # Rank 0, left waiting in the all-reduce, was stopped by the launch as soon as rank 1's
+    # error arrived: the report has no timeout of its own (nor the launch's "did not finish"),
+    # and no process of the launch is left.
     assert "Timed out" not in str(info.value) and "did not finish" not in str(info.value)
     assert not multiprocessing.active_children()
 
