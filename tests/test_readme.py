@@ -468,3 +468,16 @@ def test_the_quick_start_time_is_the_measured_one_and_says_what_helps():
         assert f"{value:.0f} s" in block, (name, block)
     assert "OMP_WAIT_POLICY=PASSIVE" in block and "torch.set_num_threads(1)" in block
     assert README.index("ChainedOptimizer(") < README.index("<!-- numbers:quickstart -->")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=str)
+def test_every_relative_link_and_image_of_the_page_exists(page):
+    """The README's picture, its links to CONTRIBUTING.md, benchmarks/README.md, the API page and the rest."""
+    base = (ROOT / page).parent
+    targets = re.findall(r"\]\(([^)\s]+)\)", PAGES[page])
+    local = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and t.split("#")[0]]
+    missing = [t for t in local if not (base / t).exists()]
+    assert not missing, f"{page} links to files that do not exist: {missing}"
+    if page == "README.md":
+        assert {"docs/chapter.png", "CONTRIBUTING.md", "benchmarks/README.md", "book/api_contract.md"} <= set(local)
+        assert (ROOT / "docs" / "chapter.png").stat().st_size < 150_000   # kept small
