@@ -1137,7 +1137,7 @@ def render_tables() -> str:
     lines += ["", "**Not mirrored:**", ""] + [f"* `{n}`: {why}." for n, why in NOT_MIRRORED]
     lines += ["", "**Documented deviations** (one row per cause; `DEVIATIONS_BY_CAUSE` in "
               "`tests/torch_suite/torch_suite_infos.py` lists each (class, check) pair with its causes):", "",
-              "| cause | reason | owner | (class: checks) |", "|---|---|---|---|"]
+              "| cause | reason | module | (class: checks) |", "|---|---|---|---|"]
     for cause, (_, reason, owner) in CAUSES.items():
         per: dict[str, list[str]] = {}
         for cls, chk, causes in DEVIATIONS_BY_CAUSE:

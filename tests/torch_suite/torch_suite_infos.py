@@ -204,58 +204,58 @@ ENTRIES = _entries()
 BY_NAME = {e.name: e for e in ENTRIES}
 
 #: Why an optbook class fails a check: name -> (pattern searched in each failing sample's "[sample] Type:
-#: message", reason, who owns the fix). Used by the rows of ``DEVIATIONS`` below.
+#: message", reason, the module of src/optbook where the fix belongs). Used by the rows of ``DEVIATIONS`` below.
 CAUSES: dict[str, tuple[str, str, str]] = {
     "NAMED": (r"element 0 is a tuple",
               "refuses `model.named_parameters()` (TypeError 'Invalid params: element 0 is a tuple'); torch 2.13 "
-              "accepts (name, tensor) pairs and records `param_names` in each group", "h1 (optimizer.py)"),
+              "accepts (name, tensor) pairs and records `param_names` in each group", "optim/optimizer.py"),
     "DUPLICATE": (r"\[a param group cannot have duplicate parameters\] ValueError",
                   "a parameter listed twice in one group raises ValueError; torch warns (UserWarning 'a parameter "
-                  "group with duplicate parameters') and goes on", "h1 (optimizer.py): decide and document"),
+                  "group with duplicate parameters') and goes on", "optim/optimizer.py"),
     "NONE_PARAMS": (r"TypeError: 'NoneType' object is not iterable",
                     "`params=None` with an invalid hyperparameter: torch checks the hyperparameters first and raises "
                     "its ValueError; optbook iterates `params` first and fails with an unclear TypeError",
-                    "h1 (optimizer.py)"),
+                    "optim/optimizer.py"),
     "GROUP_KEY": (r"\[maximize[^\]]*\] AssertionError: assert [-\d.e]+ > [-\d.e]+",
                   "a param-group dict with an option the class does not have (`maximize`) is accepted silently and "
-                  "ignored (the run minimises); torch's twin maximises", "h1 (optimizer.py / sgd.py, adafactor.py)"),
+                  "ignored (the run minimises); torch's twin maximises", "optim/optimizer.py (group validation)"),
     "MAXIMIZE": (r"unexpected keyword argument 'maximize'",
                  "no `maximize` argument (torch's twin has one): TypeError from Python, not an error that names the "
-                 "torch argument and says why", "h1 (sgd.py, adafactor.py)"),
+                 "torch argument and says why", "optim/sgd.py, optim/adafactor.py"),
     "DAMPENING": (r"unexpected keyword argument 'dampening'",
                   "no `dampening` (torch.optim.SGD has it; our EMA buffer is the dampening=momentum form)",
-                  "h1 (sgd.py)"),
+                  "optim/sgd.py"),
     "FOREACH": (r"unexpected keyword argument 'foreach'",
-                "no `foreach` argument (torch.optim.Adafactor declares a foreach implementation)", "h1 (adafactor.py)"),
+                "no `foreach` argument (torch.optim.Adafactor declares a foreach implementation)", "optim/adafactor.py"),
     "FUSED": (r"unexpected keyword argument 'fused'",
-              "no `fused` implementation (torch's twin has a fused CPU kernel)", "h1 (sgd.py, adam.py)"),
+              "no `fused` implementation (torch's twin has a fused CPU kernel)", "optim/sgd.py, optim/adam.py"),
     "DIFFERENTIABLE": (r"unexpected keyword argument 'differentiable'",
                        "no `differentiable=True` mode (the step cannot be differentiated through)",
-                       "h1 (sgd.py, adam.py)"),
+                       "optim/sgd.py, optim/adam.py"),
     "COMPLEX": (r"has dtype torch.complex64; expected a real floating-point dtype",
                 "refuses complex parameters (TypeError); torch's twin steps them as `view_as_real` pairs "
                 "(torch.optim.Adafactor and Muon refuse them too, but with another error type/message)",
-                "h1 (SGD, Adam, AdamW, Adafactor), h3 (Muon)"),
+                "optim/sgd.py, adam.py, adafactor.py, muon.py"),
     "SPARSE": (r"sparse gradients are not supported",
-               "refuses sparse gradients (torch.optim.SGD supports them)", "h1 (sgd.py)"),
+               "refuses sparse gradients (torch.optim.SGD supports them)", "optim/sgd.py"),
     "EMPTY_STATE": (r"empty state for a parameter",
                     "SGD(momentum=0) leaves an empty `{}` per parameter in `state` (torch leaves `state` empty)",
-                    "h1 (sgd.py)"),
+                    "optim/sgd.py"),
     "INT_STEP": (r"'int' object has no attribute 'detach'",
                  "`state['step']` is a Python int (torch keeps a tensor), so torch's state-by-state comparison of the "
-                 "foreach and for-loop runs cannot track it", "h1 (adam.py): decide and document"),
+                 "foreach and for-loop runs cannot track it", "optim/adam.py"),
     "MUON_2D": (r"\[only support 2D parameters\]",
                 "a 3-D tensor is refused with ValueError, but not with torch's message 'Muon only supports 2D "
-                "parameters'", "h3 (muon.py): documented wording difference"),
+                "parameters'", "optim/muon.py"),
     "ADJUST_LR": (r"unexpected keyword argument 'adjust_lr_fn'",
                   "no `adjust_lr_fn` (ours is `scale_mode`: 'shape_scaling' is torch's 'original')",
-                  "h3 (muon.py)"),
+                  "optim/muon.py"),
     "CHAINED_STATE": (r"not a parameter of any optimizer in the chain",
                       "`ChainedOptimizer.state` accepts parameter keys only, so the state-dict hooks that store "
-                      "other keys (as torch's hook tests do) raise KeyError", "h4a (chained.py)"),
+                      "other keys (as torch's hook tests do) raise KeyError", "optim/chained.py"),
     "CHAINED_HOOKS": (r"assert \[0, 1, 0, 5",
                       "global step hooks fire for the chain and again for each member optimizer "
-                      "(order [0, 1, 0, 5, 2, 5] instead of [0, 1, 2, 5])", "h4a (chained.py)"),
+                      "(order [0, 1, 0, 5, 2, 5] instead of [0, 1, 2, 5])", "optim/chained.py"),
 }
 
 # The one table of documented deviations: (optbook class, check, causes). For these pairs the check must
