@@ -300,8 +300,8 @@ PAIRS = [
                      "below 2e-11 over 50 steps"), bound=2e-11, removed_by="normuon-po-ns64-eps"),
     Pair("normuon-po-ns64-eps", "NorMuon", PO, "pytorch_optimizer",
          "pytorch_optimizer.NorMuon, its Newton-Schulz in float64, eps below float64 resolution",
-         "as the row above with `eps=1e-30` in both, where `||N||_F + eps` and `max(||N||_F, eps)` round to the "
-         "same number",
+         "as the row above with `eps=1e-30` in both, where the Frobenius norm plus eps and the larger of the two "
+         "round to the same number",
          lambda ps: NorMuon(ps, lr=0.02, weight_decay=0.1, eps=1e-30, ns_dtype=F64),
          lambda: _po_float64_ns_stepper(lambda ps: importlib.import_module("pytorch_optimizer").NorMuon(
              [dict(params=ps, use_muon=True)], lr=0.02, weight_decay=0.1, eps=1e-30, foreach=False))),
