@@ -316,9 +316,14 @@ def _drosenbrock(t):
     return torch.stack((-400 * x * (y - x**2) - 2 * (1 - x), 200 * (y - x**2)))
 
 
+ROSENBROCK_STEPS = 300
+
+
 @check(lambda e: e.info.supports_sparse or e.info.only_supports_sparse_grads)
 def test_rosenbrock_sparse(entry):
-    """Torch runs 1800 coordinate-descent steps with and without a learning-rate scheduler; so do we."""
+    """Torch runs 1800 coordinate-descent steps, comparing the sparse-gradient and dense-gradient runs after
+    each; we run ``ROSENBROCK_STEPS`` (300) with the same comparison, to keep the suite within its time budget
+    (1800 took about 2.5 minutes alone on 2 shared cores)."""
     fails = _Failures()
     dtype = torch.float64
     kwarg_updates, sched_ctors_all = entry.info.metadata_for_sparse
@@ -362,7 +367,7 @@ def test_rosenbrock_sparse(entry):
                             p.grad = g.to(p.dtype)
                     return loss
 
-                for it in range(1800):
+                for it in range(ROSENBROCK_STEPS):
                     w = it % 2
                     opt.step(functools.partial(ev, opt, params, True, w))
                     opt_c.step(functools.partial(ev, opt_c, params_c, False, w))
@@ -373,7 +378,8 @@ def test_rosenbrock_sparse(entry):
                         else:
                             s.step()
                             sc.step()
-                    _eq(params, params_c, atol=5e-6, rtol=5e-6)
+                    if not all(torch.allclose(p, q, atol=5e-6, rtol=5e-6) for p, q in zip(params, params_c)):
+                        _eq(params, params_c, atol=5e-6, rtol=5e-6)   # raises with the details
                 if not kwargs.get("maximize", False):
                     assert sum(p.dist(solution) for p in params) <= initial_dist
     fails.raise_if_any()
@@ -1119,6 +1125,8 @@ NOT_MIRRORED = [
     ("test_errors and test_empty_param_list for ChainedOptimizer", "it takes optimizers, not parameters: the "
      "parameter errors are its members' (each run here on its own), and an empty list of optimizers is refused "
      "with ValueError 'expected at least one optimizer'"),
+    ("test_rosenbrock_sparse beyond 300 steps", "torch runs 1800 steps; 300 keep the suite within its time "
+     "budget (the comparison after every step is the same)"),
     ("TestDifferentiableOptimizer for the other torch classes", "only SGD, Adam and AdamW have optbook twins that "
      "torch declares differentiable"),
 ]
