@@ -179,3 +179,12 @@ conformance: setup
 	$(BIN)/python -m pip install --quiet --target _build/extpkgs --no-deps --upgrade gram-newton-schulz==0.1.6
 	$(RUN) OPTBOOK_EXTERNAL_PACKAGES=$(CURDIR)/_build/extpkgs OPTBOOK_REQUIRE_EXTERNAL=1 \
 	  $(BIN)/python -m pytest -q -o addopts="" -n 0 -rs tests/test_gram_newton_schulz.py -k dao_ailab
+
+# PyTorch's generic optimizer checks on every optbook class (tests/torch_suite/: our checks mirroring torch's
+# TestOptimRenewed, run on torch's OptimizerInfo entries with optbook's classes swapped in, and on entries of our
+# own), with torch's own classes as the control. Prints the pass counts; fails unless the control passes every
+# check and optbook passes the control's count minus the documented deviations (DEVIATIONS in
+# tests/torch_suite/torch_suite_infos.py). Not part of `make test` (minutes on 2 cores).
+.PHONY: torch-suite
+torch-suite: setup
+	$(RUN) $(BIN)/python -m pytest -q -p no:cacheprovider -o addopts="" -n $(JOBS) tests/torch_suite/
