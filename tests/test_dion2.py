@@ -1,5 +1,6 @@
-"""Dion2 (microsoft/dion ``dion/dion2.py`` at commit 00c2bc1b): Newton–Schulz on the rows (or columns) of the
-momentum with the largest L1 norms, with error feedback on the selected slices."""
+"""Dion2 (microsoft/dion ``dion/dion2.py`` at commit 0a059a4): Newton–Schulz on the rows (or columns) of the
+momentum with the largest L1 norms, with error feedback on the selected slices; compared with the reference in
+``tools/conformance_dion2.py`` (tests/test_conformance.py)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """Dion2: orthonormalise only the rows (or columns) of the momentum that carry the most. Explained in chapter 18.
 
-Source: the reference code microsoft/dion at commit 00c2bc1b16bd5697f65a1584389070b0e14d11d6, ``dion/dion2.py``
+Source: the reference code microsoft/dion at commit 0a059a4542e5aa74b40dcd1dce363836c7afcd48, ``dion/dion2.py``
 (``dion2_pre_orthogonalize``, ``dion2_post_orthogonalize``, ``dion2_update_megabatch_async``) and
 ``dion/megabatch_base.py`` (``adjust_lr_spectral_norm``); the paper is Ahn et al., "Dion2" (arXiv:2512.16928),
 which the reference's docstring leaves "TBD". The code here is our own, written from that reading.
@@ -101,7 +101,7 @@ def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
 
 
 class Dion2(BookOptimizer):
-    """Dion2 (microsoft/dion ``dion/dion2.py``; arXiv:2512.16928), single device: Newton–Schulz on the
+    """Dion2 (microsoft/dion ``dion/dion2.py`` at 0a059a4; arXiv:2512.16928), single device: Newton–Schulz on the
     ``fraction`` of rows (or columns) of the momentum with the largest L1 norms, with error feedback.
 
     The update and its relation to Muon are in the module docstring (:mod:`optbook.optim.dion2`).
