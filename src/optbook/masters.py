@@ -162,6 +162,10 @@ class MastersWrapper(OptimizerWrapper):
         """The copies, one per copied model parameter, in group order."""
         return [self._copies[p] for p in self.model_params() if p in self._copies]
 
+    def params_for_norm(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizers step, in the model's parameter order, those with a gradient."""
+        return [q for q in map(self.copy_of, self.model_params()) if q.grad is not None]
+
     @property
     def state(self) -> dict:
         """``{model parameter: its inner optimizer's state}`` for every parameter with state (a view)."""

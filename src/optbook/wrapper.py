@@ -381,7 +381,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def params_for_norm(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` the global norm is taken over: every inner optimizer's parameters with a
         gradient (float32 masters and host copies, where the wrapper keeps them)."""
-        return [p for o in self.leaves() for g in o.param_groups for p in g["params"] if p.grad is not None]
+        out = []
+        for o in self.inner_optimizers():
+            out += (o.params_for_norm() if isinstance(o, OptimizerWrapper) else
+                    [p for g in o.param_groups for p in g["params"] if p.grad is not None])
+        return out
 
     def clip_grads(self) -> float | None:
         """Clip every gradient by the global norm when ``max_grad_norm`` is set; return the norm before
