@@ -100,8 +100,11 @@ def is_priming_step(optimizer: torch.optim.Optimizer) -> bool:
         return False
     if any(len(s) for s in optimizer.state.values()):
         return False
-    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
-    if not grads or any(g is None for g in grads):
+    params = [p for g in groups for p in g["params"]]
+    if any(p.requires_grad and p.grad is None for p in params):
+        return False
+    grads = [p.grad for p in params if p.grad is not None]   # a wrapper's host copy need not require grad
+    if not grads:
         return False
     return not any(bool(g.any()) for g in grads if g.numel())
 
@@ -457,6 +460,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return StepReport(self.found_inf, self.last_grad_norm, self.skipped_steps)
 
     # --- forwarded --------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def set_mode(self, name: str) -> None:
         """Call the mode method ``name`` (``"train"``, ``"eval"``, ...) of every inner optimizer that has one.
 
