@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from .optim._validation import check_bool, check_number
-from .optim._validation import check_int as _check_int
+from ._checks import LOW_PRECISION, check_bool, check_number
+from ._checks import check_int as _check_int
 
 __all__ = ["FLOAT32_MAX", "ConstantLossScaler", "DynamicLossScaler", "check_float16_scaled", "check_loss_scaler",
            "loss_scale_of", "scaled_loss", "unscale_grads_"]
-
-#: The low-precision floating dtypes (a loss in one is cast to float32 before it is scaled).
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 #: The largest finite float32, ``(2 - 2**-23) * 2**127``: the largest loss scale. The scaled loss and the
 #: scale itself are float32 (``torch.amp.GradScaler`` keeps its scale in a float32 tensor; Megatron-LM too),
@@ -230,9 +227,7 @@ class DynamicLossScaler:
         scale = state_dict["scale"]
         scale = _check_scale("state_dict['scale']", float(scale) if isinstance(scale, torch.Tensor) else scale)
         growth = _check_int("state_dict['growth_tracker']", state_dict["growth_tracker"], 0)
-        hyst = state_dict["hysteresis_tracker"]
-        if isinstance(hyst, bool) or not isinstance(hyst, int):
-            raise TypeError(f"Invalid state_dict['hysteresis_tracker']: expected an int, got {hyst!r}")
+        hyst = _check_int("state_dict['hysteresis_tracker']", state_dict["hysteresis_tracker"], -(2**63))
         self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hyst
 
     def __repr__(self) -> str:
@@ -321,7 +316,7 @@ def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
     """
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-    if loss.dtype in _LOW_PRECISION:
+    if loss.dtype in LOW_PRECISION:
         loss = loss.float()
     return loss * scale
 

@@ -41,7 +41,7 @@ import torch
 from .contract import elementwise
 from .offload import OffloadOptimizer
 from .optim import SGD, Adam, AdamW, Lion, Muon
-from .optim._validation import check_int as _check_int, check_number
+from ._checks import LOW_PRECISION, check_dtype, check_int as _check_int, check_number
 
 __all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OPTIMIZERS", "OffloadOptimizer", "ledger", "measure",
            "most_loaded_shard", "peak_device_bytes", "state_tensors"]
@@ -76,22 +76,10 @@ def state_tensors(optimizer_class) -> int:
 
 
 SHARDINGS = ("none", "zero1", "layerwise")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
-
-
-def _check_dtype(name: str, value, allowed=_FLOATS, none_ok: bool = False):
-    if value is None and none_ok:
-        return None
-    if not isinstance(value, torch.dtype) or value not in allowed:
-        names = ", ".join(str(d) for d in allowed)
-        prefix = "None or " if none_ok else ""
-        raise TypeError(f"Invalid {name}: expected {prefix}one of {names}, got {value!r}")
-    return value
 
 
 # --- prediction -------------------------------------------------------------------------------------------
@@ -178,12 +166,12 @@ class MemoryConfig:
                              "matrices); use sharding='layerwise' (Megatron-LM rewrites "
                              "--use-distributed-optimizer with Muon to its layer-wise optimizer)")
         _check_int("dp", self.dp, 1)
-        _check_dtype("param_dtype", self.param_dtype)
-        _check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
-        _check_dtype("state_dtype", self.state_dtype, none_ok=True)
+        check_dtype("param_dtype", self.param_dtype)
+        check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
+        check_dtype("state_dtype", self.state_dtype, none_ok=True)
         if self.master_weights is not None and not isinstance(self.master_weights, bool):
             raise TypeError(f"Invalid master_weights: expected None or a bool, got {self.master_weights!r}")
-        if self.master_weights and self.param_dtype not in _LOW_PRECISION:
+        if self.master_weights and self.param_dtype not in LOW_PRECISION:
             raise ValueError(f"Invalid master_weights: a {self.param_dtype} parameter is its own master; "
                              "masters exist for float16/bfloat16 parameters")
         check_number("adamw_fraction", self.adamw_fraction, low=0.0, high=1.0)
@@ -199,13 +187,13 @@ class MemoryConfig:
 
     @property
     def masters(self) -> bool:
-        return self.param_dtype in _LOW_PRECISION if self.master_weights is None else self.master_weights
+        return self.param_dtype in LOW_PRECISION if self.master_weights is None else self.master_weights
 
     @property
     def grad(self) -> torch.dtype:
         if self.grad_dtype is not None:
             return self.grad_dtype
-        return torch.float32 if self.param_dtype in _LOW_PRECISION else self.param_dtype
+        return torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
 
     @property
     def state(self) -> torch.dtype:

@@ -17,12 +17,11 @@ import torch
 from .contract import NonFiniteGradientError, checked_param_groups
 from .masters import MastersWrapper
 from .optim import AdamW
-from .optim._validation import check_grad, check_int as _check_int, check_number
+from ._checks import LOW_PRECISION, check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 
 __all__ = ["OffloadOptimizer"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class OffloadOptimizer(MastersWrapper):
@@ -123,7 +122,7 @@ class OffloadOptimizer(MastersWrapper):
             for p in params:
                 off = moved < threshold
                 self.offloaded.append(off)
-                low = p.dtype in _LOW_PRECISION
+                low = p.dtype in LOW_PRECISION
                 if off:
                     moved += p.numel()
                     pin = p.is_cuda and host.type == "cpu"

@@ -44,16 +44,13 @@ from .loss_scaling import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, _
                            check_float16_scaled, check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_)
 from .masters import MASTER_KEY, MastersWrapper, check_optimizer_state_dict, take_up_
 from .optim._sharded import is_dtensor
-from .optim._validation import check_bool, check_grad, check_number, check_params
+from ._checks import LOW_PRECISION, check_bool, check_grad, check_number, check_params
 from .optim.optimizer import all_finite
 from .wrapper import OptimizerWrapper
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "FLOAT32_MAX", "MASTER_KEY", "MixedPrecisionOptimizer",
            "check_float16_scaled", "check_loss_scaler", "check_optimizer_state_dict", "loss_scale_of",
            "scaled_loss", "take_up_", "unscale_grads_"]
-
-#: Model parameter dtypes that get a float32 master copy.
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Old private names, kept while other modules still import them.
 _scaler_scale = loss_scale_of
@@ -246,7 +243,7 @@ class MixedPrecisionOptimizer(MastersWrapper):
         self.param_groups.append({**group, "params": list(group["params"])})
         masters = []
         for p in group["params"]:
-            if p.dtype in _LOW_PRECISION and p.requires_grad:
+            if p.dtype in LOW_PRECISION and p.requires_grad:
                 master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
                 self._add_copy(p, master)
                 masters.append(master)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .clipping import clip_coefficient, get_grad_norm, scale_grads_
 from .contract import NonFiniteGradientError, closure_loss
 
 __all__ = ["OptimizerWrapper", "StepReport", "is_priming_step", "leaf_step", "pack_state_dict", "record_priming",
@@ -344,8 +345,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
                for g in o.param_groups for p in g["params"]}
         named = [(w, p) for w, p in named if id(p) in own]
         if named:
-            from .clipping import get_grad_norm   # clipping imports optbook.optim, which this module needs first
-
             norm = float(get_grad_norm([p for _, p in named]))
             if norm != norm or norm in (float("inf"), float("-inf")):
                 if self.loss_scaler is None:
@@ -401,8 +400,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """
         norm = self._step_norm
         if self.max_grad_norm is not None:
-            from .clipping import clip_coefficient, get_grad_norm, scale_grads_
-
             params = self.params_for_norm()
             if params:
                 if norm is None:

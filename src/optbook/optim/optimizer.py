@@ -44,7 +44,7 @@ from ..contract import NonFiniteGradientError, closure_loss
 from ..wrapper import is_priming_step, record_priming, undo_priming
 from . import _sharded
 from ._blocks import GRAIN, for_blocks, usable
-from ._validation import check_grad, check_matrices, check_params
+from .._checks import check_grad, check_matrices, check_params
 
 
 def check_state_layout(param_groups: list[dict], state_dict) -> None:
