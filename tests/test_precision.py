@@ -358,13 +358,14 @@ def test_global_clip_runs_on_unscaled_main_grads(monkeypatch):
         return _clip_with_torch(params, max_norm)
 
     import optbook.clipping
+    import optbook.wrapper
     real = optbook.clipping.get_grad_norm
 
     def fake(params, group=None):   # the wrapper takes the norm once, then scales (optbook.wrapper.clip_grads)
         calls.append(([p.grad.dtype for p in params], 1.0))
         return real(params, group)
 
-    monkeypatch.setattr(optbook.clipping, "get_grad_norm", fake)
+    monkeypatch.setattr(optbook.wrapper, "get_grad_norm", fake)
     a = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     c = torch.zeros(1, requires_grad=True)
     opt = MixedPrecisionOptimizer(SGD([a, c], lr=1.0), ConstantLossScaler(4.0), max_grad_norm=1.0)

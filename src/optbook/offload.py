@@ -323,6 +323,10 @@ class OffloadOptimizer(MastersWrapper):
             self._copies[p].grad = g
         self._hidden, self._stepped = {}, None
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)   # the ids of the unpickled parameters are new
+        self._on_host = {id(p) for p, off in zip(self.model_params(), self.offloaded) if off}
+
     def _repr_options(self) -> str:
         n_off = sum(p.numel() for p, off in zip(self.model_params(), self.offloaded) if off)
         n = sum(p.numel() for p in self.model_params())

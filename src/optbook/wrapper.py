@@ -234,11 +234,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         last_grad_norm: the global gradient norm before clipping of the last step that computed one (a Python
             float), else ``None``.
         loss_scaler: ``None`` (a non-finite gradient raises) or a loss scaler (it skips the step).
-        max_grad_norm: ``None`` or the global norm to clip to.
+        max_grad_norm: ``None`` or the global norm to clip to (a wrapper that never clips has no such attribute).
     """
 
     loss_scaler = None
-    max_grad_norm: float | None = None
     _step_norm: float | None = None   # the global norm prepare_grads took this step, for clip_grads
 
     def _init_wrapper(self) -> None:
@@ -399,7 +398,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         then clips by it.
         """
         norm = self._step_norm
-        if self.max_grad_norm is not None:
+        if getattr(self, "max_grad_norm", None) is not None:
             params = self.params_for_norm()
             if params:
                 if norm is None:
@@ -407,7 +406,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 unique = {id(p): p.grad for p in params}
                 scale_grads_(list(unique.values()), clip_coefficient(norm, self.max_grad_norm))
         for o in self._inner_wrappers():
-            if o.max_grad_norm is not None:
+            if getattr(o, "max_grad_norm", None) is not None:
                 o._step_norm = None
                 o.clip_grads()
         return norm
