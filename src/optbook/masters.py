@@ -7,7 +7,7 @@ copy of the model's parameters shares -- the float32 masters of
 * its ``param_groups`` are its own and hold the *model's* parameters (what a learning-rate scheduler,
   ``torch.distributed.checkpoint`` and the user see); its inner optimizers' groups hold the copies. The
   hyperparameters go to the inner groups before each step and mode switch and come back after
-  (:meth:`MastersWrapper.sync_hyperparameters`), so a scheduler may write either;
+  (:meth:`MastersWrapper.sync_hyperparameters`) -- a scheduler writes the wrapper's groups;
 * ``state`` is a view: ``state[p]`` is the inner optimizer's state of ``p``'s copy;
 * it is the owner of the parameters it copies (:mod:`optbook.contract`): a write it did not make is taken up
   into the copy at the next step (:func:`take_up_`), :func:`optbook.contract.scale_weights_` scales the copy;
@@ -119,7 +119,15 @@ def check_optimizer_state_dict(state_dict, params: list[list[torch.Tensor]], ele
 
 class _StateView(dict):
     """``wrapper.state``: ``{model parameter: the inner optimizer's state of its copy}`` (a snapshot of the
-    mapping; each value is the live per-parameter dict)."""
+    mapping; each value is the live per-parameter dict). Indexing it by the copy itself (a master, as the
+    inner optimizer's own ``state`` is keyed) gives the same dict."""
+
+    def __init__(self, resolve):
+        super().__init__()
+        self._resolve = resolve
+
+    def __missing__(self, key):   # as torch.optim's defaultdict: a parameter without state has an empty dict
+        return self._resolve(key)
 
 
 class MastersWrapper(OptimizerWrapper):
@@ -169,13 +177,21 @@ class MastersWrapper(OptimizerWrapper):
     @property
     def state(self) -> dict:
         """``{model parameter: its inner optimizer's state}`` for every parameter with state (a view)."""
-        view = _StateView()
+        view = _StateView(self._state_of)
         for leaf in self.leaves():
             for p in self.model_params():
                 q = self.copy_of(p)
                 if q in leaf.state and leaf.state[q]:
                     view[p] = leaf.state[q]
         return view
+
+    def _state_of(self, key) -> dict:
+        """The live state dict of a model parameter or of its copy, in the inner optimizer that steps it."""
+        q = self.copy_of(key)
+        for leaf in self.leaves():
+            if any(q is x for g in leaf.param_groups for x in g["params"]):
+                return leaf.state[q]
+        raise KeyError("this tensor is not a parameter of this wrapper")
 
     # --- hyperparameters --------------------------------------------------------------------------------------
     def _leaf_group_pairs(self):
@@ -185,16 +201,20 @@ class MastersWrapper(OptimizerWrapper):
 
     def sync_hyperparameters(self, back: bool = False) -> None:
         """Copy every hyperparameter of the wrapper's groups into the inner groups (``back``: the other way,
-        after the inner optimizers may have changed one, such as Schedule-Free's ``train_mode``)."""
+        after the inner optimizers may have changed one, such as Schedule-Free's ``train_mode``; only after a
+        copy forward, so that a skipped step, which leaves the inner optimizers untouched, changes nothing)."""
+        if back and not self.__dict__.pop("_synced", False):
+            return
+        self._synced = not back
         for inner, own in self._leaf_group_pairs():
             src, dst = (inner, own) if back else (own, inner)
             for k, v in src.items():
                 if k != "params" and dst.get(k, _MISSING) is not v:
                     dst[k] = v
 
-    def validate(self) -> None:
-        self.sync_hyperparameters()
-        super().validate()
+    def validate_leaves(self) -> None:
+        self.sync_hyperparameters()   # only now: a skipped step leaves the inner optimizers bitwise untouched
+        super().validate_leaves()
 
     def step(self, closure=None):
         try:

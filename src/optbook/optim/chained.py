@@ -83,6 +83,10 @@ def _check_member(i: int, opt) -> None:
     holds each rank's local gradients, whose norm is not the global one, and a rank raising alone would
     leave the others waiting in a collective.
     """
+    if type(opt).__name__ == "FSDP2Muon":
+        raise TypeError(f"Invalid optimizers: element {i} is an FSDP2Muon, whose gradients are this rank's shards: "
+                        "the chain's one global norm and inf/NaN check would see only them; step FSDP2Muon and "
+                        "the optimizer of the other parameters side by side")
     if type(opt).__module__.startswith("optbook.distributed"):
         raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, a distributed optimizer; "
                         "chain it with optbook.distributed.DistributedChain, which clips by the norm of the "
@@ -115,18 +119,20 @@ class ChainedOptimizer(OptimizerWrapper):
             *global* L2 norm (one norm over every parameter, :func:`optbook.clipping.clip_grad_norm_`),
             not one norm per member.
 
-    ``step()`` is atomic:
+    ``step()`` is the template of :class:`optbook.wrapper.OptimizerWrapper` (Megatron-LM's
+    ``ChainedOptimizer``: the members' gradients prepared, one global clip, then each member's
+    ``step_with_ready_grads``), and it is atomic:
 
-    1. every member that is an :class:`optbook.optim.BookOptimizer` or an
-       :class:`~optbook.memory.OffloadOptimizer` validates its hyperparameters and gradients (a bad value
-       raises before *any* member writes);
-    2. one check over every gradient of every member, the global gradient norm (clipped to
-       ``max_grad_norm`` if set; a non-finite norm leaves the gradients as they are): if any gradient
-       holds ``inf`` or ``NaN``, :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and
-       nothing is written (the step contract of :mod:`optbook.contract`: the chain has no loss scaler;
-       wrap it in :class:`optbook.precision.MixedPrecisionOptimizer` with one to skip such steps). The
-       members do not check again (:func:`~optbook.optim.optimizer.nonfinite_checked_by_caller`);
-    3. each member's ``step()`` in order.
+    1. one check over every gradient of every member, the global gradient norm (float64 sums of squares,
+       finite exactly when every element is): if any gradient holds ``inf`` or ``NaN``,
+       :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and nothing is written (the step
+       contract of :mod:`optbook.contract`: the chain has no loss scaler; wrap it in
+       :class:`optbook.precision.MixedPrecisionOptimizer` with one to skip such steps). A member that is a
+       wrapper (:class:`~optbook.memory.OffloadOptimizer`) prepares its own gradients first;
+    2. every optbook member validates its hyperparameters and gradients, once (a bad value raises before
+       *any* member writes; the message names the chain's group and the member);
+    3. the gradients are clipped to ``max_grad_norm`` by that same norm, if set;
+    4. each member steps in order, without validating again.
 
     Members from ``torch.optim`` validate inside their own ``step()``, after the members before them
     have stepped; use optbook's classes where the step must be atomic.
@@ -259,10 +265,11 @@ class ChainedOptimizer(OptimizerWrapper):
                         group["betas"] = (group["momentum"], *group["betas"][1:])
 
     # --- the phases of the step (optbook.wrapper); the template step() is the base class's ------------------
-    def validate(self) -> None:
-        """Copy a scheduler's ``momentum`` into ``betas[0]`` where members mix the keys, then the base's checks."""
+    def validate_leaves(self) -> None:
+        """Copy a scheduler's ``momentum`` into ``betas[0]`` where members mix the keys, then every member's
+        own checks (a skipped step, under a wrapper with a loss scaler, leaves the members untouched)."""
         self._sync_momentum()
-        super().validate()
+        super().validate_leaves()
 
     def _leaf_error(self, error: Exception, k: int, optimizer) -> Exception:
         """A member's error with its ``param_groups[g]`` renumbered as the chain's and the member named."""
