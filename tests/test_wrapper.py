@@ -231,12 +231,14 @@ WRAPS = {"plain": lambda o, ps: o, "chain": lambda o, ps: ChainedOptimizer([o]),
 
 @pytest.mark.parametrize("wrap", list(WRAPS))
 @pytest.mark.parametrize("name", list(PLAIN))
-@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
-def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wrap, full):
-    if full and name in ("Muon", "NorMuon"):
-        pytest.xfail("param groups hold a torch.dtype (ns_dtype): DCP's full state dict cannot save it")
+@pytest.mark.parametrize("full, offload", [(False, False), (False, True), (True, True)],
+                         ids=["sharded", "sharded-cpu_offload", "full-cpu_offload"])
+def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wrap, full, offload, request):
+    if offload and name in ("Muon", "NorMuon"):   # optbook.optim.muon/normuon's to fix; strict: a fix shows
+        request.applymarker(pytest.mark.xfail(strict=True, reason="param groups hold a torch.dtype (ns_dtype): "
+                                              "DCP's cpu_offload state dict cannot save it"))
     dtype = torch.bfloat16 if wrap == "mixed precision" else torch.float64
-    options = dcp.StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = dcp.StateDictOptions(full_state_dict=full, cpu_offload=offload)
     runs = []
     for read in (False, True):
         params = _mats(dtype)
