@@ -13,7 +13,7 @@ copies the main parameters into the model; ``ChainedOptimizer`` calls its member
 The template, :meth:`OptimizerWrapper.step`::
 
     loss = closure()                  with gradients enabled (optbook.contract.closure_loss)
-    DCP priming?                      prime() and return (optbook.optim.optimizer.is_priming_step)
+    DCP priming?                      prime() and return (is_priming_step, below)
     validate()                        the wrapper's own checks; nothing written on an error
     found_inf = prepare_grads()       take up outside writes; main gradients; unscale; reduce; ONE check for
                                       inf/NaN: raises NonFiniteGradientError without a loss scaler
@@ -433,11 +433,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
             o.take_up_outside_writes()
 
     def prime(self) -> None:
-        """DCP's priming step (:func:`~optbook.optim.optimizer.is_priming_step`): make the inner optimizers'
+        """DCP's priming step (:func:`is_priming_step`): make the inner optimizers'
         state as DCP expects and change nothing else -- no loss scale, no count, no weights published.
 
         Each plain optbook optimizer recognises the priming itself and drops that state at its next step unless
-        it was loaded over (:func:`~optbook.optim.optimizer.undo_priming`); a ``torch.optim`` one is recorded
+        it was loaded over (:func:`undo_priming`); a ``torch.optim`` one is recorded
         here. A wrapper whose inner optimizers read other gradients copies them first (then calls this).
         """
         for o in self.inner_optimizers():
