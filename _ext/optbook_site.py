@@ -304,7 +304,25 @@ def favicon_ico(app, exception):
             shutil.copy2(icon, Path(app.outdir) / "favicon.ico")
 
 
+def student_launch_buttons(app, config):
+    """In the student copy (``tools/student_build.py`` leaves ``_student.json`` at its root), the launch
+    buttons open the student notebooks: the repository branch (and book path) recorded there replace
+    ``_config.yml``'s, which jupyter-book passes to sphinx-book-theme as ``repository_branch`` and
+    ``path_to_docs``."""
+    import json
+
+    marker = Path(app.srcdir) / "_student.json"
+    if not marker.is_file():
+        return
+    student = json.loads(marker.read_text(encoding="utf-8"))
+    options = dict(config.html_theme_options or {})
+    options["repository_branch"] = student["branch"]
+    options["path_to_docs"] = student.get("path_to_book", "")
+    config.html_theme_options = options
+
+
 def setup(app):
+    app.connect("config-inited", student_launch_buttons)
     app.connect("doctree-read", titled_notes)
     app.connect("doctree-resolved", harness_out_of_view)
     app.connect("build-finished", favicon_ico)

@@ -54,6 +54,17 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     return String(+v.toPrecision(6));
   }
 
+  // A label at either end of the x axis is moved inward until it lies inside the drawing (the last
+  // tick's label, centred on the plot's right edge, was cut off by the SVG's border).
+  function keepInside(text) {
+    var box;
+    try { box = text.getBBox(); } catch (e) { return; }
+    if (!box.width) return;
+    var x = +text.getAttribute("x");
+    if (box.x + box.width > W - 1) text.setAttribute("x", x - (box.x + box.width - (W - 1)));
+    else if (box.x < 1) text.setAttribute("x", x + 1 - box.x);
+  }
+
   function draw(fig, spec, index) {
     var svg = fig.querySelector("svg");
     while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -68,7 +79,9 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     ticks(spec.xlim, spec.xlog).forEach(function (v) {
       var x = sx(v);
       el("line", {x1: x, x2: x, y1: M.t, y2: H - M.b, stroke: "#ddd"}, axes);
-      el("text", {x: x, y: H - M.b + 16, "text-anchor": "middle"}, axes).textContent = label(v, spec.xlog);
+      var tick = el("text", {x: x, y: H - M.b + 16, "text-anchor": "middle"}, axes);
+      tick.textContent = label(v, spec.xlog);
+      keepInside(tick);
     });
     ticks(spec.ylim, spec.ylog).forEach(function (v) {
       var y = sy(v);
