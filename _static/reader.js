@@ -59,6 +59,10 @@ Code scrolls sideways inside its box (custom.css): a line is never wrapped.
         var factor = Math.max(MIN_SCALE, Math.floor((room / need) * 1000) / 1000);
         box.style.fontSize = (parseFloat(base) || 100) * factor + "%";
         box.dataset.fitted = String(factor);
+        // still too wide at the floor: an inline formula scrolls in its own box (custom.css)
+        box.classList.toggle("math-scroll", !display && math.getBoundingClientRect().width > room + 1);
+      } else {
+        box.classList.remove("math-scroll");
       }
     });
   }

@@ -388,7 +388,13 @@ document.querySelectorAll('.bd-article img').forEach(img => {  // the whole pict
   }
   const box = img.parentElement, cs = getComputedStyle(box);
   const room = box.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
-  const own = +img.getAttribute('width') || img.naturalWidth, w = img.getBoundingClientRect().width;
+  // its own width: the width myst-nb writes (a 2x PNG's 1x size), else its pixels
+  const own = parseFloat(img.getAttribute('width')) || parseFloat(img.style.width) || img.naturalWidth;
+  const w = img.getBoundingClientRect().width;
+  const h = img.getBoundingClientRect().height, ratio = img.naturalWidth / img.naturalHeight;
+  if (h > 0 && Math.abs(w / h / ratio - 1) > 0.03)
+    out.figures.push(`squashed: ${Math.round(w)} x ${Math.round(h)} px for a ${img.naturalWidth} x ` +
+                     `${img.naturalHeight} image: ${img.alt.slice(0, 50)}`);
   if (w < Math.min(own, room) - 2)
     out.figures.push(`${Math.round(w)} px wide where ${Math.round(Math.min(own, room))} px fit: ${img.alt.slice(0, 50)}`);
 });
@@ -510,6 +516,44 @@ def test_titled_notes(site):
             if f'<p class="admonition-title">{title.strip()}</p>' not in html:
                 wrong.append(f"{page}: {title.strip()!r}")
     assert checked >= 7 and wrong == [], f"{checked} titled notes; without their title: {wrong}"
+
+
+def _site_extension():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("optbook_site", ROOT / "_ext" / "optbook_site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reader_source():
+    """What the rendered page shows of a code cell: claims, comments about the harness and pragmas go,
+    equation labels become numbers, and the rest stays as written (an IPython magic included)."""
+    source = (
+        "# Exact results are compared by nbval; the rest\n"
+        "# is asserted with optbook.testing.assert_claim.\n"
+        "claim = optbook.testing.assert_claim\n"
+        "try:\n"
+        "    import optbook\n"
+        "except ImportError:  # pragma: no cover\n"
+        "    %pip install optbook\n"
+        "x = 2.0  # from (eq-adam-m) and eq-adam-v\n"
+        "claim(\"x is two\", x, \"==\", 2.0)\n"
+        "_ = optbook.testing.assert_claim(\"x > 1\",\n"
+        "                                 x, \">\", 1.0)\n"
+        "for k in range(2):\n"
+        "    assert_claim(\"k\", k, \">=\", 0)  # kept: the loop needs a body\n"
+        "print(x)  # checked by nbval\n")
+    assert _site_extension().reader_source(source, {"eq-adam-m": "(2.3)"}) == (
+        "try:\n"
+        "    import optbook\n"
+        "except ImportError:\n"
+        "    %pip install optbook\n"
+        "x = 2.0  # from (2.3) and eq-adam-v\n"
+        "for k in range(2):\n"
+        "    assert_claim(\"k\", k, \">=\", 0)  # kept: the loop needs a body\n"
+        "print(x)")
 
 
 # Notebooks whose stored figures are still 1x PNGs: they were executed before optbook.plotting stored
