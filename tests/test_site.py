@@ -5,16 +5,24 @@ Debian's ``chromium`` through Selenium and Debian's ``chromedriver`` (nothing is
 cannot resolve any host but localhost, so the pages must work offline). Per page: no severe console
 message (JavaScript errors, failed loads), MathJax has typeset every formula without an error node, every
 ``<img>`` loaded with a non-zero natural size, every figure's image has alt text (its caption, not its
-file name), no code or output block is wider than its box (long lines wrap; chapter 7 also in a
-phone-sized window), and the repository, launch (Colab, Binder) and download
-buttons are present with the URL set in ``_config.yml``. What a reader sees, at 1400 px and on a 390 px
-phone (emulated, with touch): every display equation fits its box, nothing is wider than the window, no
-solution or solution check shows before its drop-down is opened, no cell prints a bare return value,
-every interactive figure redraws when its slider moves; on a phone a tap on either sidebar button opens
-its panel, and on a desktop the contents button collapses the sidebar. Screenshots of the top of every
-page at both widths go to ``_build/screenshots/<desktop|phone>/``. Also: the search page finds "Newton", and every
-internal link and anchor of every built page resolves (this one needs no browser). Screenshots of two pages
-go to ``_build/test-artifacts/``.
+file name), no code or output block is cut off (a long line scrolls inside its box), no test harness in
+the code a reader sees (``assert_claim``, nbval comments, coverage pragmas, equation-label slugs, the
+cell that embeds an interactive figure), and the repository, launch (Colab, Binder) and download buttons
+are present with the URL set in ``_config.yml``. What a reader sees, at 1400 px, on a 768 px tablet and on
+a 390 px phone (both emulated, with touch): formulas at the size MathJax chose unless one overflows (then
+scaled to fit, to no less than 80 %), nothing wider than the window, code lines never wrapped (and at
+1400 px a code box holds 88 characters), no word broken in a table, figures whole (not half-hidden in a
+box that scrolls sideways), unsquashed and as wide as fits, no solution or solution check shown before
+its drop-down is opened, no cell printing a bare return value, every interactive figure redrawn by its
+slider, with a numbered caption that says what to try and every label inside the drawing. On a phone a
+tap on either sidebar button opens its panel, and a pick in the page-contents panel closes it and shows
+the section; on a desktop the contents button collapses the sidebar. Screenshots of the top of every
+page at each width go to ``_build/screenshots/<desktop|tablet|phone>/``. Without a browser: the search
+page finds "Newton"; every internal link and anchor resolves; the root page and ``/favicon.ico`` load;
+a note written ``:::{note} Title`` shows its title; the rendered code drops the harness
+(``reader_source``); figures are stored at 2x except in the notebooks listed in ``STILL_1X``; and the
+student site's launch buttons open the student branch. Screenshots of two pages go to
+``_build/test-artifacts/``.
 
 Runs with ``make site-test`` (CI, after ``make book``), which sets ``OPTBOOK_REQUIRE_SITE=1``: a missing
 site, chromium, chromedriver or selenium is then a failure. ``make test`` skips the module (it does not
