@@ -61,3 +61,67 @@ def test_dion_update_does_not_depend_on_the_parameters_memory_layout(dtype, rank
         for o in opts:
             o.step()
         assert torch.equal(dense.detach(), strided.detach())
+
+
+# --- Muon, NorMuon, AdaMuon on rounding-noise gradients -------------------------------------------------------
+
+def _step_norm(cls, grad, **options):
+    p = torch.nn.Parameter(torch.zeros(8, 6, dtype=F64))
+    opt = cls([p], lr=1.0, **options)
+    p.grad = grad.clone()
+    opt.step()
+    return float(p.detach().norm())
+
+
+def _unit_gradient():
+    g = torch.randn(8, 6, generator=torch.Generator().manual_seed(0), dtype=F64)
+    return g / g.norm()
+
+
+@pytest.mark.parametrize("name", ["Muon", "NorMuon"])
+def test_scale_invariant_false_shrinks_rounding_noise_steps_as_torch_muon_does(name):
+    """``scale_invariant=False``: Newton–Schulz's floor acts as ``torch.optim.Muon``'s ``eps``. Measured
+    (this seed): a step of 4.3e-8 of a real one at gradient norm 2e-16 and 3.5e-11 at 1.6e-19, torch
+    4.3e-8 and 3.4e-11 (the option did not exist before: TypeError on the old code)."""
+    from optbook import optim
+    cls, g = getattr(optim, name), _unit_gradient()
+    real = _step_norm(cls, g, scale_invariant=False)
+    ref = _step_norm(torch.optim.Muon, g)
+    for size, bound in ((2e-16, 1e-7), (1.6e-19, 1e-10)):
+        ours = _step_norm(cls, g * size, scale_invariant=False) / real
+        theirs = _step_norm(torch.optim.Muon, g * size) / ref
+        assert ours < bound and theirs < bound
+        assert 0.5 < ours / theirs < 2                                   # the same floor, to its form
+        assert _step_norm(cls, g * size) / _step_norm(cls, g) == pytest.approx(1, abs=1e-12)   # default kept
+
+
+@pytest.mark.parametrize("name", ["Muon", "NorMuon"])
+def test_scale_invariant_false_changes_no_bit_above_the_floor(name):
+    from optbook import optim
+    cls = getattr(optim, name)
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(16, 24, generator=gen)
+    runs = []
+    for invariant in (True, False):
+        p = torch.nn.Parameter(w0.clone())
+        opt = cls([p], lr=0.02, weight_decay=0.1, scale_invariant=invariant)
+        for k in range(3):
+            p.grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(10 + k)) * 10.0 ** -k
+            opt.step()
+        runs.append(p.detach().clone())
+    assert torch.equal(*runs)
+
+
+def test_adamuon_takes_full_steps_on_rounding_noise_by_construction():
+    """Documented, not a floor: AdaMuon's Frobenius rescale restores the full norm of any non-zero update."""
+    from optbook.optim import AdaMuon
+    g = _unit_gradient()
+    for size in (2e-16, 1.6e-19):
+        assert _step_norm(AdaMuon, g * size) / _step_norm(AdaMuon, g) == pytest.approx(1, rel=1e-6)
+
+
+def test_scale_invariant_must_be_a_bool():
+    from optbook.optim import Muon
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match="scale_invariant"):
+        Muon([p], scale_invariant="yes")

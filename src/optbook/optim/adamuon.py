@@ -93,6 +93,13 @@ class AdaMuon(BookOptimizer):
         scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`; the defaults
             (``"spectral"``, ``0.2``) are the paper's ``0.2 * sqrt(max(m, n))``.
 
+    Tiny gradients: every non-zero gradient, rounding noise included, gets a full-size step (a float64
+    gradient of Frobenius norm 2e-16 or 1.6e-19 moves the weights as far as one of norm 1). This is the
+    algorithm, not the orthogonalisation's floor: ``O / (sqrt(v_hat) + eps)`` has entries of size about 1
+    whatever the size of ``O``, and the rescale to ``sqrt(min(m, n)) / ||A||_F`` restores the full norm,
+    so no floor in Newton–Schulz (``torch.optim.Muon``'s ``eps``; :class:`~optbook.optim.Muon`'s
+    ``scale_invariant=False``) could shrink it; the reference code behaves the same way.
+
     State per parameter: ``step`` (``int``), ``momentum_buffer`` and ``exp_avg_sq`` (the parameter's shape
     and dtype). A float16/bfloat16 parameter is stepped in float32.
 
