@@ -107,7 +107,10 @@ def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
         B.addmm_(P, R.T, alpha=-(1 - momentum))           # error feedback: M <- B - (1 - mu) P R^T
         if B is not M:
             M.copy_(B)
-        new_Q = polar_factor(R) if q_update == "polar" else R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps)
+        if q_update == "polar":
+            new_Q = polar_factor(R)
+        else:
+            new_Q = R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps)
         Q.copy_(torch.where(nonzero, new_Q, Q))
         m, n = p.shape
         # P Q^T formed on its own, then added entrywise (as the reference's X.add_(P @ Q.T)): no strided GEMM

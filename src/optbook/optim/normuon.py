@@ -55,7 +55,8 @@ def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: tor
     Returns:
         A new ``(m, n)`` tensor, float32 for a float16/bfloat16 ``D``, else ``D``'s dtype.
     """
-    return newton_schulz(exact_rescale(D) if scale_invariant else D, steps=ns_steps, coefficients=coefficients, eps=1e-7, dtype=ns_dtype)
+    return newton_schulz(exact_rescale(D) if scale_invariant else D, steps=ns_steps, coefficients=coefficients,
+                         eps=1e-7, dtype=ns_dtype)
 
 
 def check_orthogonalisation(group: dict) -> None:
