@@ -123,5 +123,82 @@ def test_adamuon_takes_full_steps_on_rounding_noise_by_construction():
 def test_scale_invariant_must_be_a_bool():
     from optbook.optim import Muon
     p = torch.nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(TypeError, match="scale_invariant"):
+    with pytest.raises(TypeError, match="Invalid scale_invariant"):
         Muon([p], scale_invariant="yes")
+
+
+# --- Shampoo's safeguards ----------------------------------------------------------------------------------
+
+def _least_squares(steps=200, **options):
+    """Least squares ``0.5 ||(W - W*) X||^2 / 8`` with a fresh 32 x 8 batch ``X`` each step: gradients of
+    rank 8 on a 16 x 32 matrix. Returns (step 2's ``||dW|| / (lr ||G||)``, first loss, last loss)."""
+    from optbook.optim import Shampoo
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(16, 32, generator=gen, dtype=F64)
+    W = torch.nn.Parameter(torch.zeros(16, 32, dtype=F64))
+    opt = Shampoo([W], **options)
+    ratio, losses = None, []
+    for t in range(steps):
+        X = torch.randn(32, 8, generator=gen, dtype=F64)
+        loss = 0.5 * ((W - target) @ X).pow(2).sum() / 8
+        losses.append(float(loss.detach()))
+        W.grad = torch.autograd.grad(loss, W)[0]
+        before, g = W.detach().clone(), W.grad.clone()
+        opt.step()
+        if t == 1:
+            ratio = float((before - W.detach()).norm() / (options["lr"] * g.norm()))
+    return ratio, losses[0], losses[-1]
+
+
+def test_shampoo_with_a_stale_root_no_longer_diverges_on_rank_deficient_gradients():
+    """precondition_frequency=10: the old code computed roots at step 1 from ``eps I + G G^T`` and
+    multiplied step 2's gradient by 1.3e4 (loss 240 -> 1e52 in 200 steps). Now preconditioning starts at
+    step 10 (Distributed Shampoo's default start): steps before it are gradient steps, and the run stays
+    bounded; each other safeguard alone also prevents the blow-up."""
+    ratio, first, last = _least_squares(lr=0.01, precondition_frequency=10)
+    assert ratio == pytest.approx(1.0, abs=1e-12) and last < first              # was 1.3e4 and 1e52
+    old_ratio, _, old_last = _least_squares(lr=0.01, precondition_frequency=10, start_preconditioning_step=1)
+    assert old_ratio > 1e3 and old_last > 1e40                                   # the old behaviour, still there
+    for safeguard in (dict(relative_eps=1e-6), dict(grafting="sgd"), dict(grafting="adagrad")):
+        ratio, first, last = _least_squares(lr=0.01, precondition_frequency=10, start_preconditioning_step=1,
+                                            **safeguard)
+        assert ratio < 20 and last < first, safeguard
+    _, first, last = _least_squares(lr=0.01, precondition_frequency=10, grafting="sgd")
+    assert last < 0.05 * first                                                   # measured 7.0 from 240
+
+
+def test_shampoo_grafting_gives_the_grafted_norm_and_shampoos_direction():
+    from optbook.optim import Shampoo
+    from optbook.optim.shampoo import inverse_root
+    gen = torch.Generator().manual_seed(4)
+    G = torch.randn(6, 9, generator=gen, dtype=F64)
+    W = torch.nn.Parameter(torch.zeros(6, 9, dtype=F64))
+    W.grad = G.clone()
+    Shampoo([W], lr=1.0, eps=1e-3, grafting="sgd").step()
+    eye = lambda k: torch.eye(k, dtype=F64)                                    # noqa: E731
+    direction = inverse_root(1e-3 * eye(6) + G @ G.T) @ G @ inverse_root(1e-3 * eye(9) + G.T @ G)
+    expected = -direction * (G.norm() / direction.norm())
+    assert torch.allclose(W.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_shampoo_defaults_at_frequency_one_are_the_plain_algorithm_bitwise():
+    from optbook.optim import Shampoo
+    runs = []
+    for options in ({}, dict(start_preconditioning_step=1, grafting=None, relative_eps=0.0)):
+        gen = torch.Generator().manual_seed(5)
+        W = torch.nn.Parameter(torch.randn(5, 7, generator=gen, dtype=F64))
+        opt = Shampoo([W], lr=0.1, **options)
+        for _ in range(4):
+            W.grad = torch.randn(5, 7, generator=gen, dtype=F64)
+            opt.step()
+        runs.append(W.detach().clone())
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("key, value, error", [("start_preconditioning_step", 0, ValueError),
+                                               ("start_preconditioning_step", 2.0, TypeError),
+                                               ("grafting", "adam", ValueError), ("relative_eps", -1.0, ValueError)])
+def test_shampoo_safeguard_options_are_checked(key, value, error):
+    from optbook.optim import Shampoo
+    with pytest.raises(error, match=f"Invalid {key}"):
+        Shampoo([torch.nn.Parameter(torch.zeros(3, 3))], **{key: value})
