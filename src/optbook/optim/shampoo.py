@@ -36,8 +36,10 @@ root (``precondition_frequency > 1``) every later step can do that. Three safegu
   e19012986e44d086bd033cd9ac5c8f95596226f2, ``scalable_shampoo/optax/distributed_shampoo.py``
   (``matrix_inverse_pth_root``: ``ridge_epsilon * max(lambda_max, 1e-6)``, ``ridge_epsilon=1e-6``).
 
-The defaults keep the plain algorithm at ``precondition_frequency=1`` (the bridge to Muon below holds
-bitwise); with a larger frequency the start step changes the first ``precondition_frequency - 1`` steps. For a float16/bfloat16 parameter the statistics, roots and momentum
+The defaults keep the plain algorithm at ``precondition_frequency=1`` (the bridge to Muon above holds
+bitwise); with a larger frequency the start step changes the first ``precondition_frequency - 1`` steps.
+
+For a float16/bfloat16 parameter the statistics, roots and momentum
 are kept in float32 and the update is computed in float32 and rounded into the parameter once (in
 bfloat16, ``L`` drifts by percents from its float64 value within a few hundred steps).
 """
@@ -46,7 +48,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import MATRIX_HINT, check_int, check_lr, check_number, check_precondition_frequency, check_weight_decay
+from ._validation import (MATRIX_HINT, check_int, check_lr, check_number, check_precondition_frequency,
+                          check_weight_decay)
 from ._functional import LOW_PRECISION
 from .optimizer import BookOptimizer, check_statistics_range
 
