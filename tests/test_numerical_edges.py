@@ -202,3 +202,37 @@ def test_shampoo_safeguard_options_are_checked(key, value, error):
     from optbook.optim import Shampoo
     with pytest.raises(error, match=f"Invalid {key}"):
         Shampoo([torch.nn.Parameter(torch.zeros(3, 3))], **{key: value})
+
+
+# --- SOAP's first step -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+@pytest.mark.parametrize("rank", [None, 4])
+def test_soap_first_step_in_float32_is_bounded_by_lr_sqrt_mn(scale, rank):
+    """|N| <= 1 entrywise at t = 1, so ||dW||_F <= lr sqrt(mn) (1e-6 for the rounding of m_hat). Before:
+    up to 2.2 lr sqrt(mn) for entries near 1 and 126 near 1e4 over these seeds."""
+    from optbook.optim import SOAP
+    worst = 0.0
+    for seed in range(10):
+        gen = torch.Generator().manual_seed(seed)
+        if rank:
+            G = torch.randn(16, rank, generator=gen, dtype=F64) @ torch.randn(rank, 24, generator=gen, dtype=F64)
+            G = G / G.abs().max()
+        else:
+            G = torch.rand(16, 24, generator=gen, dtype=F64) * 2 - 1
+        W = torch.nn.Parameter(torch.zeros(16, 24))
+        W.grad = (G * scale).float()
+        SOAP([W], lr=0.5).step()
+        worst = max(worst, float(W.detach().double().norm()) / (0.5 * math.sqrt(16 * 24)))
+    assert worst <= 1 + 1e-6
+
+
+def test_soap_first_step_in_float64_is_lr_times_the_polar_factor():
+    """Unchanged by the fix (a property, not a regression): ``lr U V^T`` up to ``eps / sigma_min`` (4e-7 here)."""
+    from optbook.newton_schulz import polar_factor
+    from optbook.optim import SOAP
+    G = torch.randn(16, 24, generator=torch.Generator().manual_seed(0), dtype=F64)
+    W = torch.nn.Parameter(torch.zeros(16, 24, dtype=F64))
+    W.grad = G.clone()
+    SOAP([W], lr=0.5).step()
+    assert (W.detach() + 0.5 * polar_factor(G)).abs().max() < 1e-6
