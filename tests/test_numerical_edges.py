@@ -236,3 +236,25 @@ def test_soap_first_step_in_float64_is_lr_times_the_polar_factor():
     W.grad = G.clone()
     SOAP([W], lr=0.5).step()
     assert (W.detach() + 0.5 * polar_factor(G)).abs().max() < 1e-6
+
+
+# --- polar_express_coefficients on NumPy scalars -------------------------------------------------------------
+
+def test_polar_express_coefficients_reads_numpy_and_tensor_scalars_and_names_the_wrong_kind():
+    """Before: ``steps=np.int64(5)`` raised "expected an int >= 1, got np.int64(5)" (a misleading message for
+    a valid count), and ``input_scale=np.float32(1.02)`` "expected a finite number > 0"."""
+    np = pytest.importorskip("numpy")
+    from optbook.newton_schulz import POLAR_EXPRESS_SAFETY, polar_express_coefficients
+    reference = polar_express_coefficients(5, 1e-3, input_scale=POLAR_EXPRESS_SAFETY)
+    assert polar_express_coefficients(np.int64(5), np.float64(1e-3),
+                                      input_scale=np.float64(POLAR_EXPRESS_SAFETY)) == reference
+    assert polar_express_coefficients(torch.tensor(5), 1e-3, input_scale=torch.tensor(POLAR_EXPRESS_SAFETY,
+                                                                                      dtype=F64)) == reference
+    assert polar_express_coefficients(np.int32(3), cushion=np.float32(0.0)) == \
+        polar_express_coefficients(3, cushion=0.0)
+    with pytest.raises(ValueError, match=r"Invalid steps: expected an integer >= 1, got 5\.0 \(float\)"):
+        polar_express_coefficients(5.0)
+    with pytest.raises(ValueError, match=r"Invalid lower_bound: .*a real number.*got 'a' \(str\)"):
+        polar_express_coefficients(5, "a")
+    with pytest.raises(ValueError, match=r"Invalid input_scale: expected a finite number > 0, got -1\.0"):
+        polar_express_coefficients(5, input_scale=np.float32(-1))
