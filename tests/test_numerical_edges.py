@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 from optbook.optim import Dion
 
@@ -258,3 +259,75 @@ def test_polar_express_coefficients_reads_numpy_and_tensor_scalars_and_names_the
         polar_express_coefficients(5, "a")
     with pytest.raises(ValueError, match=r"Invalid input_scale: expected a finite number > 0, got -1\.0"):
         polar_express_coefficients(5, input_scale=np.float32(-1))
+
+
+# --- compiled steps under hyperparameter schedules -----------------------------------------------------------
+
+def _frames(step_fn, n_steps, counter):
+    """Run ``step_fn(k)`` for k = 0 .. n_steps - 1 on a fresh Dynamo, with ``error_on_recompile`` from the
+    second step on (any recompile raises); return how many frames ``counter`` (Dynamo's ``CompileCounter``
+    backend: it counts the graphs and runs them eagerly, no Inductor) saw."""
+    torch._dynamo.reset()
+    try:
+        for k in range(n_steps):
+            with torch._dynamo.config.patch(error_on_recompile=k > 0):
+                step_fn(k)
+        return counter.frame_count
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.compile
+def test_compiled_muon_step_is_one_graph_under_lr_momentum_and_weight_decay_schedules():
+    """Before: lr only was a tensor; a momentum warm-up (0.85 -> 0.95) or a weight-decay schedule recompiled
+    (error_on_recompile raised at step 2)."""
+    from optbook.optim import Muon, compiled_muon_step
+    shapes = [(16, 16), (32, 16)]
+    gen = torch.Generator().manual_seed(7)
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    eager = [b.clone().requires_grad_() for b in base]
+    compiled = [b.clone().requires_grad_() for b in base]
+    opts = [Muon(ps, lr=0.02, momentum=0.85, weight_decay=0.0, ns_dtype=torch.float32) for ps in (eager, compiled)]
+    counter = CompileCounter()
+    step = compiled_muon_step(opts[1], backend=counter)
+    schedule = [(0.02, 0.85, 0.0), (0.015, 0.9, 0.1), (0.01, 0.95, 0.05), (0.005, 0.95, 0.2)]
+
+    def one(k):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for ps, o in zip((eager, compiled), opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.param_groups[0].update(lr=schedule[k][0], momentum=schedule[k][1], weight_decay=schedule[k][2])
+        opts[0].step()
+        step()
+
+    assert _frames(one, len(schedule), counter) == 1
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)   # the same ops run eagerly from the graph
+
+
+@pytest.mark.compile
+def test_compiled_adamw_step_is_one_graph_under_beta_eps_and_weight_decay_schedules():
+    """Before: betas, eps and weight_decay were Python constants of the graph (recompiled at step 2)."""
+    from optbook.optim import AdamW, compiled_step
+    gen = torch.Generator().manual_seed(8)
+    base = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    eager = [b.clone().requires_grad_() for b in base]
+    compiled = [b.clone().requires_grad_() for b in base]
+    opts = [AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0) for ps in (eager, compiled)]
+    counter = CompileCounter()
+    step = compiled_step(opts[1], backend=counter)
+    schedule = [((0.9, 0.95), 1e-8, 0.0), ((0.85, 0.99), 1e-6, 0.1), ((0.95, 0.999), 1e-8, 0.01)]
+
+    def one(k):
+        grads = [torch.randn(b.shape, generator=gen) for b in base]
+        for ps, o in zip((eager, compiled), opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.param_groups[0].update(betas=schedule[k][0], eps=schedule[k][1], weight_decay=schedule[k][2])
+        opts[0].step()
+        step()
+
+    assert _frames(one, len(schedule), counter) == 1
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)

@@ -161,8 +161,9 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
             eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition, scale_invariant: as in
             :class:`Muon`; not re-validated here.
 
-    ``lr`` may also be a 0-d tensor (what :func:`optbook.optim.compiled_muon_step` passes, so that a new
-    learning rate is new data for a compiled graph, not a new constant).
+    ``lr``, ``momentum`` and ``weight_decay`` may also be 0-d tensors (what
+    :func:`optbook.optim.compiled_muon_step` passes, so that a new value is new data for a compiled graph,
+    not a new constant).
 
     The updates come from :func:`orthogonalized_blocks` (same-shape blocks batched); each block's update is
     subtracted straight from its rows of the parameter (no concatenation).
@@ -373,7 +374,12 @@ class Muon(BookOptimizer):
         if update is muon and self.compiled_kernel is not None and params:
             update = self.compiled_kernel
             # lr as a 0-d tensor on the parameters' device: a new value is new data, not a new graph
-            group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=params[0].device)}
+            # (momentum and weight_decay likewise, float64 so that a float64 parameter loses nothing: a warm-up
+            # of the momentum or a decay schedule runs in the one graph)
+            device = params[0].device
+            group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=device),
+                     "momentum": torch.tensor(float(group["momentum"]), dtype=torch.float64, device=device),
+                     "weight_decay": torch.tensor(float(group["weight_decay"]), dtype=torch.float64, device=device)}
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
