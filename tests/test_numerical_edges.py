@@ -230,7 +230,7 @@ def test_soap_first_step_in_float32_is_bounded_by_lr_sqrt_mn(scale, rank):
 
 def test_soap_first_step_in_float64_is_lr_times_the_polar_factor():
     """Unchanged by the fix (a property, not a regression): ``lr U V^T`` up to ``eps / sigma_min`` (4e-7 here)."""
-    from optbook.newton_schulz import polar_factor
+    from optbook.polar import polar_factor
     from optbook.optim import SOAP
     G = torch.randn(16, 24, generator=torch.Generator().manual_seed(0), dtype=F64)
     W = torch.nn.Parameter(torch.zeros(16, 24, dtype=F64))
@@ -245,7 +245,7 @@ def test_polar_express_coefficients_reads_numpy_and_tensor_scalars_and_names_the
     """Before: ``steps=np.int64(5)`` raised "expected an int >= 1, got np.int64(5)" (a misleading message for
     a valid count), and ``input_scale=np.float32(1.02)`` "expected a finite number > 0"."""
     np = pytest.importorskip("numpy")
-    from optbook.newton_schulz import POLAR_EXPRESS_SAFETY, polar_express_coefficients
+    from optbook.polar import POLAR_EXPRESS_SAFETY, polar_express_coefficients
     reference = polar_express_coefficients(5, 1e-3, input_scale=POLAR_EXPRESS_SAFETY)
     assert polar_express_coefficients(np.int64(5), np.float64(1e-3),
                                       input_scale=np.float64(POLAR_EXPRESS_SAFETY)) == reference
@@ -253,9 +253,9 @@ def test_polar_express_coefficients_reads_numpy_and_tensor_scalars_and_names_the
                                                                                       dtype=F64)) == reference
     assert polar_express_coefficients(np.int32(3), cushion=np.float32(0.0)) == \
         polar_express_coefficients(3, cushion=0.0)
-    with pytest.raises(ValueError, match=r"Invalid steps: expected an integer >= 1, got 5\.0 \(float\)"):
+    with pytest.raises(TypeError, match=r"Invalid steps: expected an integer >= 1, got 5\.0 \(float\)"):
         polar_express_coefficients(5.0)
-    with pytest.raises(ValueError, match=r"Invalid lower_bound: .*a real number.*got 'a' \(str\)"):
+    with pytest.raises(TypeError, match=r"Invalid lower_bound: .*a real number.*got 'a' \(str\)"):
         polar_express_coefficients(5, "a")
     with pytest.raises(ValueError, match=r"Invalid input_scale: expected a finite number > 0, got -1\.0"):
         polar_express_coefficients(5, input_scale=np.float32(-1))

@@ -21,6 +21,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from ._checks import check_int
 
 __all__ = ["ALGORITHMS", "COEFFICIENTS", "GRAM_RESTARTS", "PRECONDITIONERS", "check_restarts", "newton_schulz",
            "ns_schedule", "optimal_odd_quintic", "polar_express_band", "polar_express_coefficients", "polar_factor"]
@@ -84,8 +85,7 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
         ValueError: unknown name, ``steps < 1`` or not an int, a triple that is not 3 finite numbers,
             ``"deepseek_v4"`` with ``steps != 10``.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Invalid steps: expected an int >= 1, got {steps!r}")
+    check_int("steps", steps, 1)
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(f"Invalid coefficients: unknown schedule {coefficients!r}; expected one of "
@@ -167,9 +167,8 @@ def check_restarts(restarts) -> frozenset[int]:
         values = tuple(restarts)
     except TypeError:
         raise ValueError(f"Invalid restarts: expected a sequence of step indices >= 1, got {restarts!r}") from None
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in values):
-        raise ValueError(f"Invalid restarts: expected step indices (ints >= 1; step 0 starts from X itself), "
-                         f"got {restarts!r}")
+    for k, r in enumerate(values):   # step 0 starts from X itself
+        check_int(f"restarts[{k}]", r, 1)
     return frozenset(values)
 
 
@@ -485,8 +484,9 @@ def _polar_express(steps, lower_bound, safety, cushion):
         n_steps = None if isinstance(steps, bool) else operator.index(steps)
     except TypeError:
         n_steps = None
-    if n_steps is None or n_steps < 1:
-        raise ValueError(f"Invalid steps: expected an integer >= 1, got {_got(steps)}")
+    if n_steps is None:
+        raise TypeError(f"Invalid steps: expected an integer >= 1, got {_got(steps)}")
+    check_int("steps", n_steps, 1)
     steps = n_steps
     values = {}
     for name, value, ok, expected in (
@@ -495,7 +495,7 @@ def _polar_express(steps, lower_bound, safety, cushion):
             ("cushion", cushion, lambda x: 0 <= x < 1, "a number in [0, 1)")):
         x = _real(value)
         if x is None:
-            raise ValueError(f"Invalid {name}: expected {expected} (a real number), got {_got(value)}")
+            raise TypeError(f"Invalid {name}: expected {expected} (a real number), got {_got(value)}")
         if not ok(x):
             raise ValueError(f"Invalid {name}: expected {expected}, got {x!r}")
         values[name] = x
@@ -549,11 +549,12 @@ def polar_express_coefficients(steps: int = 5, lower_bound: float = POLAR_EXPRES
     The real-valued arguments may be Python, NumPy or 0-d tensor scalars (read as Python floats).
 
     Raises:
-        ValueError: an argument out of its range or of the wrong kind, naming it (and its type).
+        ValueError: an argument out of its range, naming it.
+        TypeError: an argument of the wrong kind (a float ``steps``, a string), naming it and its type.
     """
     s = _real(input_scale)
     if s is None:
-        raise ValueError(f"Invalid input_scale: expected a finite number > 0 (a real number), "
+        raise TypeError(f"Invalid input_scale: expected a finite number > 0 (a real number), "
                          f"got {_got(input_scale)}")
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"Invalid input_scale: expected a finite number > 0, got {s!r}")
