@@ -331,3 +331,41 @@ def test_compiled_adamw_step_is_one_graph_under_beta_eps_and_weight_decay_schedu
     assert _frames(one, len(schedule), counter) == 1
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+# --- param groups that torch.distributed.checkpoint can save ------------------------------------------------
+
+def test_every_class_gives_a_full_cpu_offloaded_dcp_optimizer_state_dict():
+    """``ns_dtype`` was a ``torch.dtype`` in the Muon family's param groups, which
+    ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`` cannot
+    handle; it is now stored as its name (a ``torch.dtype`` is still accepted at construction)."""
+    from numerics_ranks import CLASSES, dcp_optimizer_state_dict_run
+
+    from optbook.distributed import launch
+    report = launch(dcp_optimizer_state_dict_run, 1, list(CLASSES), timeout=120.0)[0]
+    assert report["results"] == {name: "ok" for name in CLASSES}
+    allowed = {"int", "float", "bool", "str", "NoneType", "tuple", "list"}
+    assert all(set(kinds) <= allowed for kinds in report["kinds"].values()), report["kinds"]
+
+
+@pytest.mark.parametrize("name", ["Muon", "NorMuon", "AdaMuon", "Scion"])
+def test_ns_dtype_is_stored_as_its_name_and_the_step_is_the_same(name):
+    from optbook import optim
+    cls = getattr(optim, name)
+    runs = []
+    for given in (torch.float32, "float32"):
+        W = torch.nn.Parameter(torch.randn(6, 10, generator=torch.Generator().manual_seed(0)))
+        opt = cls([{"params": [W], "ns_dtype": given}], lr=0.01, ns_dtype=torch.float64)
+        assert opt.param_groups[0]["ns_dtype"] == "float32" and opt.defaults["ns_dtype"] == "float64"
+        for k in range(2):
+            W.grad = torch.randn(6, 10, generator=torch.Generator().manual_seed(k + 1))
+            opt.step()
+        runs.append(W.detach().clone())
+    assert torch.equal(*runs)
+    opt.param_groups[0]["ns_dtype"] = torch.bfloat16          # set later as a dtype: stored as its name at the step
+    opt.step()
+    assert opt.param_groups[0]["ns_dtype"] == "bfloat16"
+    with pytest.raises(TypeError, match="Invalid ns_dtype"):
+        cls([W], ns_dtype=torch.int32)
+    with pytest.raises(TypeError, match="Invalid ns_dtype"):
+        cls([W], ns_dtype="half")

@@ -32,7 +32,7 @@ import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
-from .muon import muon_scale
+from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
@@ -120,8 +120,11 @@ class AdaMuon(BookOptimizer):
                  extra_scale_factor: float = 0.2):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
-                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                                      extra_scale_factor=extra_scale_factor))
+                                      coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
+                                      scale_mode=scale_mode, extra_scale_factor=extra_scale_factor))
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])

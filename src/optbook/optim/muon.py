@@ -38,6 +38,37 @@ __all__ = ["Muon", "SCALE_MODES", "TURBO_SCHEDULE", "muon", "muon_scale", "split
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 #: The dtypes Newton–Schulz may iterate in.
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: How a param group stores ``ns_dtype``: the dtype's name, a string, which ``torch.distributed.checkpoint``'s
+#: ``get_optimizer_state_dict`` can flatten and save (it refuses a ``torch.dtype`` value in a group).
+NS_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                  torch.float64: "float64"}
+
+
+def ns_dtype_name(value) -> str:
+    """The name under which a param group stores ``ns_dtype``, from a ``torch.dtype`` or its name.
+
+    Raises:
+        TypeError: neither one of :data:`NS_DTYPES` nor one of their names (``"bfloat16"``, ``"float16"``,
+            ``"float32"``, ``"float64"``).
+    """
+    if isinstance(value, torch.dtype) and value in NS_DTYPE_NAMES:
+        return NS_DTYPE_NAMES[value]
+    if isinstance(value, str) and value in NS_DTYPE_NAMES.values():
+        return value
+    raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul supports) or its "
+                    f"name ({', '.join(repr(n) for n in NS_DTYPE_NAMES.values())}), got {value!r}")
+
+
+def as_ns_dtype(value) -> torch.dtype:
+    """``ns_dtype`` as a ``torch.dtype`` (from the dtype or its name; not re-validated)."""
+    return getattr(torch, value) if isinstance(value, str) else value
+
+
+def with_ns_dtype_name(param_group: dict) -> dict:
+    """``param_group`` with its ``ns_dtype`` (if any) stored as its name (:func:`ns_dtype_name`)."""
+    if "ns_dtype" in param_group:
+        return {**param_group, "ns_dtype": ns_dtype_name(param_group["ns_dtype"])}
+    return param_group
 #: How Newton–Schulz forms its symmetric products (``newton_schulz``'s ``gram``).
 GRAMS = ("plain", "symmetric")
 #: Which Newton–Schulz iteration Muon runs (``ns_algorithm``); ``"auto"``: Gram Newton–Schulz for blocks of
@@ -212,6 +243,7 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
     # the same batch as the wide (d, 4d) ones, transposed (newton_schulz works on the wide orientation
     # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
     # stacked into one batch, one held by a single block goes in as it is.
+    ns_dtype = as_ns_dtype(ns_dtype)
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
     by_shape = defaultdict(list)
     for i, bs in enumerate(blocks):
@@ -259,7 +291,11 @@ class Muon(BookOptimizer):
             step counts less (with ``momentum=0.95``, clipping only the second gradient by 0.01 turns the
             second update to a cosine of about 0.40 with the unclipped run's), which is what the clip is for
             (chapter 12).
-        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
+        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64, as a
+            ``torch.dtype`` or its name. Param groups store the name (``"bfloat16"``, ...; :func:`ns_dtype_name`),
+            so that ``torch.distributed.checkpoint`` can save them: ``get_optimizer_state_dict`` with
+            ``full_state_dict=True, cpu_offload=True`` refuses a ``torch.dtype`` value ("Unexpected value
+            type"). The step is the same either way.
         scale_invariant: ``True`` (default): the exact power-of-two rescale before Newton–Schulz, so every
             non-zero direction, however small, gets a full-size update. This includes a gradient that is only
             rounding noise: a float64 gradient of Frobenius norm 2e-16 or 1.6e-19 gets a step of the size of a
@@ -315,7 +351,7 @@ class Muon(BookOptimizer):
                  scale_invariant: bool = True):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype_name(ns_dtype),
                         head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
                         ns_precondition=ns_precondition, scale_invariant=scale_invariant)
         super().__init__(params, defaults)
@@ -326,6 +362,7 @@ class Muon(BookOptimizer):
             raise TypeError("Invalid params: optimizer parameters need to be organized in ordered collections, but "
                             "the ordering of tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = with_ns_dtype_name(param_group)
         group = {**self.defaults, **param_group}
         check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
                                        "optbook.optim.muon_param_groups(model)")
@@ -346,9 +383,7 @@ class Muon(BookOptimizer):
             raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
         muon_scale((1, 1), group["scale_mode"])
         check_nesterov(group["nesterov"], momentum)
-        if group["ns_dtype"] not in NS_DTYPES:
-            raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
-                            f"supports), got {group['ns_dtype']!r}")
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # a torch.dtype set on the group later: its name
         check_scale_invariant(group)
         if group["gram"] not in GRAMS:
             raise ValueError(f"Invalid gram: expected one of {GRAMS}, got {group['gram']!r}")
@@ -357,7 +392,7 @@ class Muon(BookOptimizer):
         if group["ns_precondition"] not in PRECONDITIONERS:
             raise ValueError(f"Invalid ns_precondition: expected one of {PRECONDITIONERS}, got "
                              f"{group['ns_precondition']!r}")
-        if group["gram"] == "symmetric" and group["ns_dtype"] == torch.float64:
+        if group["gram"] == "symmetric" and group["ns_dtype"] == "float64":
             raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
                              "torch.float64 (the Triton kernels have no float64 path)")
         for p in group["params"]:  # head_split may have been edited since the group was added

@@ -32,7 +32,8 @@ import torch
 from ..polar import newton_schulz, ns_schedule
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
-from .muon import NS_DTYPES, check_scale_invariant, exact_rescale, muon_scale
+from .muon import (as_ns_dtype, check_scale_invariant, exact_rescale, muon_scale, ns_dtype_name,
+                   with_ns_dtype_name)
 from .optimizer import BookOptimizer
 
 __all__ = ["NorMuon", "check_orthogonalisation", "normuon", "orthogonalize"]
@@ -56,7 +57,7 @@ def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: tor
         A new ``(m, n)`` tensor, float32 for a float16/bfloat16 ``D``, else ``D``'s dtype.
     """
     return newton_schulz(exact_rescale(D) if scale_invariant else D, steps=ns_steps, coefficients=coefficients,
-                         eps=1e-7, dtype=ns_dtype)
+                         eps=1e-7, dtype=as_ns_dtype(ns_dtype))
 
 
 def check_orthogonalisation(group: dict) -> None:
@@ -72,8 +73,7 @@ def check_orthogonalisation(group: dict) -> None:
         raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
     muon_scale((1, 1), group["scale_mode"])
     check_number("extra_scale_factor", group["extra_scale_factor"], low=0.0)
-    if group["ns_dtype"] not in NS_DTYPES:
-        raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES}, got {group['ns_dtype']!r}")
+    group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # stored as its name (DCP can save a string)
     check_scale_invariant(group)
 
 
@@ -152,10 +152,14 @@ class NorMuon(BookOptimizer):
                  extra_scale_factor: float = 1.0, scale_invariant: bool = True):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
-                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
+                                      coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
+                                      scale_mode=scale_mode,
                                       extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant))
 
     matrix_hint = MATRIX_ROUTE
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
