@@ -292,22 +292,23 @@ class Muon(BookOptimizer):
             second update to a cosine of about 0.40 with the unclipped run's), which is what the clip is for
             (chapter 12).
         ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64, as a
-            ``torch.dtype`` or its name. Param groups store the name (``"bfloat16"``, ...; :func:`ns_dtype_name`),
-            so that ``torch.distributed.checkpoint`` can save them: ``get_optimizer_state_dict`` with
-            ``full_state_dict=True, cpu_offload=True`` refuses a ``torch.dtype`` value ("Unexpected value
-            type"). The step is the same either way.
+            ``torch.dtype`` or its name. Param groups store the name (``"bfloat16"``, ...;
+            :func:`ns_dtype_name`), so that ``torch.distributed.checkpoint`` can save them:
+            ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True`` refuses a
+            ``torch.dtype`` value ("Unexpected value type"). The step is the same either way.
         scale_invariant: ``True`` (default): the exact power-of-two rescale before Newton–Schulz, so every
             non-zero direction, however small, gets a full-size update. This includes a gradient that is only
             rounding noise: a float64 gradient of Frobenius norm 2e-16 or 1.6e-19 gets a step of the size of a
             real one. ``torch.optim.Muon`` (torch 2.13, ``torch/optim/_muon.py``,
             ``_zeropower_via_newtonschulz``: ``X.div_(X.norm().clamp(min=eps))``, ``eps=1e-7``) shrinks such
             steps instead: measured on a random 8 x 6 float64 gradient, to 4.3e-8 of a real step at norm 2e-16
-            and 3.4e-11 at 1.6e-19. We decided for scale invariance by default, because the book's global gradient clip (chapter 12) relies on it: with
-            torch's floor a clip factor of 1e-8 on a momentum of norm 0.1 shrinks Muon's update 15-fold, and
-            no absolute floor tells such a clipped gradient from rounding noise. ``False``: no rescale,
-            Newton–Schulz's own floor ``X / max(||X||_F, eps)`` acts as torch's does: a direction with
-            ``||D||_F < eps`` gets a step shrunk by about ``||D||_F / eps`` (and a polynomial's gain), one at
-            or above ``eps`` bitwise the step of ``True`` (a power of two changes no bit of ``D / ||D||_F``).
+            and 3.4e-11 at 1.6e-19. We decided for scale invariance by default, because the book's global
+            gradient clip (chapter 12) relies on it: with torch's floor a clip factor of 1e-8 on a momentum of
+            norm 0.1 shrinks Muon's update 15-fold, and no absolute floor tells such a clipped gradient from
+            rounding noise. ``False``: no rescale, Newton–Schulz's own floor ``X / max(||X||_F, eps)`` acts as
+            torch's does: a direction with ``||D||_F < eps`` gets a step shrunk by about ``||D||_F / eps``
+            (and a polynomial's gain), one at or above ``eps`` bitwise the step of ``True`` (a power of two
+            changes no bit of ``D / ||D||_F``).
         head_split: per-group row split before orthogonalisation (:func:`split_rows`);
             ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
         gram: how Newton–Schulz forms its symmetric products, passed to :func:`optbook.newton_schulz`:
