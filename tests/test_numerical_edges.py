@@ -339,10 +339,11 @@ def test_every_class_gives_a_full_cpu_offloaded_dcp_optimizer_state_dict():
     """``ns_dtype`` was a ``torch.dtype`` in the Muon family's param groups, which
     ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`` cannot
     handle; it is now stored as its name (a ``torch.dtype`` is still accepted at construction)."""
+    from helpers import scaled_timeout
     from numerics_ranks import CLASSES, dcp_optimizer_state_dict_run
 
     from optbook.distributed import launch
-    report = launch(dcp_optimizer_state_dict_run, 1, list(CLASSES), timeout=120.0)[0]
+    report = launch(dcp_optimizer_state_dict_run, 1, list(CLASSES), timeout=scaled_timeout(60.0))[0]
     assert report["results"] == {name: "ok" for name in CLASSES}
     allowed = {"int", "float", "bool", "str", "NoneType", "tuple", "list"}
     assert all(set(kinds) <= allowed for kinds in report["kinds"].values()), report["kinds"]
