@@ -45,6 +45,7 @@ from .loss_scaling import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, _
 from .masters import MASTER_KEY, MastersWrapper, check_optimizer_state_dict, take_up_
 from .optim._sharded import is_dtensor
 from ._checks import LOW_PRECISION, check_bool, check_grad, check_number, check_params
+from .optim.chained import ChainedOptimizer
 from .optim.optimizer import all_finite
 from .wrapper import OptimizerWrapper
 
@@ -90,8 +91,6 @@ def check_inner_steps_its_groups(optimizer) -> None:
 
 def _members(optimizer) -> list:
     """The optimizer stepping each parameter of ``optimizer``, in flat group order (a chain's members)."""
-    from .optim import ChainedOptimizer
-
     if isinstance(optimizer, ChainedOptimizer):
         return [m for opt in optimizer.optimizers for m in _members(opt)]
     return [optimizer for g in optimizer.param_groups for _ in g["params"]]
@@ -190,6 +189,8 @@ class MixedPrecisionOptimizer(MastersWrapper):
             ``check_for_nonfinite=False`` with a loss scaler. Each is raised before anything is changed.
     """
 
+    chain_member = False   # its masters' gradients exist only inside its own step: wrap the chain instead
+
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler=None, *, max_grad_norm: float | None = None,
                  check_for_nonfinite: bool = True, state_dtype: torch.dtype | None = None):
         # Everything is checked before the inner optimizer's groups are touched.
@@ -284,8 +285,6 @@ class MixedPrecisionOptimizer(MastersWrapper):
                 ``optimizer`` given when the inner optimizer is not a chain; whatever the inner
                 ``add_param_group`` raises (then nothing has been recorded here).
         """
-        from .optim import ChainedOptimizer
-
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         check_float16_scaled([(f"the new group's param_groups[0]['params'][{pi}]", p)

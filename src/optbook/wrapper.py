@@ -239,6 +239,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     loss_scaler = None
     _step_norm: float | None = None   # the global norm prepare_grads took this step, for clip_grads
+    #: Whether a :class:`~optbook.optim.ChainedOptimizer` may hold this wrapper as a member. ``False`` for a
+    #: wrapper whose inner optimizers step copies whose gradients exist only inside its own step (float32
+    #: masters): the chain could not check or clip them first; wrap the chain in it instead.
+    chain_member: bool = True
 
     def _init_wrapper(self) -> None:
         """What ``torch.optim.Optimizer.__init__`` sets up for hooks and the profiler, and the reports; for a

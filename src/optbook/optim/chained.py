@@ -91,12 +91,11 @@ def _check_member(i: int, opt) -> None:
         raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, a distributed optimizer; "
                         "chain it with optbook.distributed.DistributedChain, which clips by the norm of the "
                         "averaged gradients across ranks")
-    from ..precision import MixedPrecisionOptimizer   # precision imports this package: here, not at the top
-
-    if isinstance(opt, MixedPrecisionOptimizer):
-        raise TypeError(f"Invalid optimizers: element {i} is a MixedPrecisionOptimizer, whose masters' gradients "
-                        "the chain cannot check or clip before it steps; wrap the chain instead: "
-                        "MixedPrecisionOptimizer(ChainedOptimizer([...]), loss_scaler)")
+    if isinstance(opt, OptimizerWrapper) and not opt.chain_member:
+        name = type(opt).__name__
+        raise TypeError(f"Invalid optimizers: element {i} is a {name}, whose masters' gradients "
+                        f"the chain cannot check or clip before it steps; wrap the chain instead: "
+                        f"{name}(ChainedOptimizer([...]), loss_scaler)")
 
 
 def _chain_groups(message: str, first: int) -> str:

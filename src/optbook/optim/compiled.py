@@ -39,6 +39,7 @@ import torch
 
 from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
+from ..wrapper import OptimizerWrapper
 from .chained import ChainedOptimizer
 from .muon import Muon, muon
 
@@ -191,18 +192,16 @@ class CompiledStep:
 
 
 def _adam_members(optimizer) -> list:
-    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (chains and the
-    mixed-precision wrapper looked into); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
-    from optbook.precision import MixedPrecisionOptimizer  # imported here: precision imports optbook.optim
-
+    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (every wrapper of
+    :mod:`optbook.wrapper` looked into: a chain's members, a mixed-precision wrapper's inner optimizer; a chain's
+    other members are left eager); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
     if isinstance(optimizer, (Adam, AdamW)):
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, ChainedOptimizer,
-                                                                            MixedPrecisionOptimizer))
+        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, OptimizerWrapper))
                 for a in _adam_members(member)]
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        return _adam_members(optimizer.optimizer)
+    if isinstance(optimizer, OptimizerWrapper):
+        return [a for inner in optimizer.inner_optimizers() for a in _adam_members(inner)]
     raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, a ChainedOptimizer "
                     f"with such members, and a MixedPrecisionOptimizer around one of these; got "
                     f"{type(optimizer).__name__}")
