@@ -16,8 +16,8 @@ from torch import nn
 
 from ..optim._sharded import local
 
-__all__ = ["chapter_batch", "chapter_model", "fsdp2_chapter", "full_tensor", "set_sharded_grads", "shard_model",
-           "train_fsdp2"]
+__all__ = ["chapter_batch", "chapter_model", "fsdp2_chapter", "full_tensor", "set_sharded_grads",
+           "shard_model", "train_fsdp2"]
 
 
 def shard_model(model: nn.Module, layers=None) -> nn.Module:
@@ -59,48 +59,55 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def chapter_batch(step: int, micro: int) -> torch.Tensor:
-    """The global micro-batch ``micro`` of step ``step``: 24 float64 rows of 12 features, the same on every
-    rank (24 rows split evenly over 1, 2, 3 or 4 ranks, so the mean of the ranks' means is the global mean)."""
+    """The global micro-batch ``micro`` of step ``step``: 24 float64 rows of 12 features, the same on
+    every rank (24 rows split evenly over 1 to 4 ranks: the mean of the ranks' means is the global mean)."""
     return torch.randn(24, 12, generator=torch.Generator().manual_seed(2000 + 10 * step + micro),
                        dtype=torch.float64)
 
 
-def train_fsdp2(rank: int, world_size: int, *, steps: int = 3, accumulate: int = 2, checkpoint_dir=None,
-                seed: int = 0, on_backward=None):
-    """Train section 14b's MLP with FSDP2, Muon for the matrices and AdamW for the biases: the loop as a reader
-    writes it (the chapter prints this function's source).
+def train_fsdp2(rank: int, world_size: int, *, steps: int = 3, accumulate: int = 2,
+                checkpoint_dir=None, seed: int = 0, on_backward=None):
+    """Train section 14b's MLP with FSDP2: Muon for the matrices, AdamW for the biases.
 
-    Every rank builds the same model, shards it with ``fully_shard`` layer by layer and at the root, and runs
-    ``backward()`` on its own rows of each micro-batch; FSDP2 reduce-scatters the mean gradient once per step,
-    after the last of ``accumulate`` micro-batches (``set_requires_gradient_sync``). ``checkpoint_dir``: save
-    the model and both optimizers there with ``torch.distributed.checkpoint`` after the last step.
-    ``on_backward(step, model)``, when given, is called after each step's last backward, before the optimizers
-    step (the chapter's checks read the reduce-scattered gradients there).
+    The loop as a reader writes it (the chapter prints this function's source).
+    Every rank builds the same model, shards it with ``fully_shard`` layer by layer
+    and at the root, and runs ``backward()`` on its own rows of each micro-batch;
+    FSDP2 reduce-scatters the mean gradient once per step, after the last of
+    ``accumulate`` micro-batches (``set_requires_gradient_sync``).
+    ``checkpoint_dir``: a directory every rank can write; the model and both
+    optimizers are saved there with ``torch.distributed.checkpoint`` after the last
+    step. ``on_backward(step, model)``, when given, is called after each step's last
+    backward, before the optimizers step (the chapter's checks read the
+    reduce-scattered gradients there).
 
     Returns:
         ``(model, muon, adamw)``: the sharded model and its two optimizers.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
 
     from optbook.distributed import FSDP2Muon
     from optbook.optim import AdamW
 
-    model = chapter_model(seed)                      # the same initial weights on every rank
+    model = chapter_model(seed)            # the same initial weights on every rank
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)                       # its weight and bias become Shard(0) DTensors
+            fully_shard(layer)     # its weight and bias become Shard(0) DTensors
     fully_shard(model)
-    muon = FSDP2Muon([p for p in model.parameters() if p.dim() == 2],
-                     lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, ns_dtype=torch.float64)
-    adamw = AdamW([p for p in model.parameters() if p.dim() != 2], lr=0.01)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    muon = FSDP2Muon(matrices, lr=0.02, momentum=0.95, nesterov=True,
+                     weight_decay=0.01, ns_dtype=torch.float64)
+    adamw = AdamW(others, lr=0.01)
 
     for step in range(steps):
         for micro in range(accumulate):
-            model.set_requires_gradient_sync(micro == accumulate - 1)   # reduce-scatter after the last only
-            x = chapter_batch(step, micro).chunk(world_size)[rank]      # this rank's rows of the micro-batch
-            loss = model(x).pow(2).mean() / accumulate
+            last = micro == accumulate - 1
+            model.set_requires_gradient_sync(last)  # reduce-scatter after the last
+            rows = chapter_batch(step, micro).chunk(world_size)[rank]  # its rows
+            loss = model(rows).pow(2).mean() / accumulate
             loss.backward()
         if on_backward is not None:
             on_backward(step, model)
@@ -118,8 +125,8 @@ def train_fsdp2(rank: int, world_size: int, *, steps: int = 3, accumulate: int =
 
 
 def _reference_fsdp2(steps: int, accumulate: int, seed: int):
-    """:func:`train_fsdp2`'s run in one process: ``(model, muon, adamw, gradients)``, the gradients of each step
-    (summed over its micro-batches) as a list of tensors per step."""
+    """:func:`train_fsdp2`'s run in one process: ``(model, muon, adamw, gradients)``, the gradients of
+    each step (summed over its micro-batches) as a list of tensors per step."""
     from ..optim import AdamW, Muon
 
     model = chapter_model(seed)
@@ -153,7 +160,8 @@ def _fsdp2_training_checks(rank: int, world_size: int, checkpoint_dir, steps: in
     grad_diff, grad_scale, grad_bitwise = [], [], []
 
     def on_backward(step, model):
-        diffs = [(full_tensor(p.grad) - g).abs().max().item() for p, g in zip(model.parameters(), ref_grads[step])]
+        diffs = [(full_tensor(p.grad) - g).abs().max().item()
+                 for p, g in zip(model.parameters(), ref_grads[step])]
         grad_diff.append(max(diffs))
         grad_scale.append(max(g.abs().max().item() for g in ref_grads[step]))
         grad_bitwise.append(all(d == 0.0 for d in diffs))
@@ -181,7 +189,8 @@ def _fsdp2_training_checks(rank: int, world_size: int, checkpoint_dir, steps: in
                     for p, q in zip(fresh.parameters(), model.parameters()))
                 and all(torch.equal(full_tensor(fresh_muon.state[p]["momentum_buffer"]),
                                     full_tensor(muon.state[q]["momentum_buffer"]))
-                        for p, q in zip(fresh_muon.param_groups[0]["params"], muon.param_groups[0]["params"])))
+                        for p, q in zip(fresh_muon.param_groups[0]["params"],
+                                        muon.param_groups[0]["params"])))
     return {"grad_diff": grad_diff, "grad_scale": grad_scale, "grad_bitwise": grad_bitwise,
             "param_diff": param_diff, "momentum_diff": momentum_diff, "checkpoint_restored": restored}
 
@@ -260,8 +269,8 @@ def fsdp2_chapter(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, 
     fsdp = CommCounter()
     with fsdp:
         sharded(_batch(0)).pow(2).mean().backward()
-    training = None if checkpoint_dir is None else _fsdp2_training_checks(rank, world_size, checkpoint_dir, steps=steps,
-                                                                         seed=seed)
+    training = (None if checkpoint_dir is None
+                else _fsdp2_training_checks(rank, world_size, checkpoint_dir, steps=steps, seed=seed))
     return {"layout": layout, "adamw_equal": adamw_equal, "muon_equal": muon_equal, "training": training,
             "owners": list(muon_opt.owners), "ns_calls": muon_opt.ns_calls,
             "muon_bytes": {k: int(v) for k, v in counter.received.items()}, "muon_predicted": predicted,
