@@ -48,9 +48,7 @@ STEPS = 4
 
 #: (optimizer, wrapper, feature) -> reason: a failure owned by another module, expected until it is fixed
 #: (the test marks these cells xfail, strict: a fix shows up as a pass to be recorded).
-KNOWN = {(o, w, "DCP full"): "param groups hold a torch.dtype (ns_dtype), which DCP's full state dict cannot "
-         "save (optbook.optim.muon/normuon)" for o in ("Muon", "NorMuon")
-         for w in ("ChainedOptimizer", "MixedPrecisionOptimizer", "OffloadOptimizer")}
+KNOWN: dict[tuple[str, str, str], str] = {}   # none left: Muon's and NorMuon's ns_dtype is kept by name now
 
 
 @dataclass

@@ -233,10 +233,7 @@ WRAPS = {"plain": lambda o, ps: o, "chain": lambda o, ps: ChainedOptimizer([o]),
 @pytest.mark.parametrize("name", list(PLAIN))
 @pytest.mark.parametrize("full, offload", [(False, False), (False, True), (True, True)],
                          ids=["sharded", "sharded-cpu_offload", "full-cpu_offload"])
-def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wrap, full, offload, request):
-    if offload and name in ("Muon", "NorMuon"):   # optbook.optim.muon/normuon's to fix; strict: a fix shows
-        request.applymarker(pytest.mark.xfail(strict=True, reason="param groups hold a torch.dtype (ns_dtype): "
-                                              "DCP's cpu_offload state dict cannot save it"))
+def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wrap, full, offload):
     dtype = torch.bfloat16 if wrap == "mixed precision" else torch.float64
     options = dcp.StateDictOptions(full_state_dict=full, cpu_offload=offload)
     runs = []
