@@ -282,9 +282,11 @@ PAIRS = [
          differs=(1, "pytorch-optimizer's Newton-Schulz runs in bfloat16 (its dtype argument is not passed by the "
                      "Muon classes)"), bound=1e-2, removed_by="normuon-po-ns64"),
     Pair("adamuon-po", "AdaMuon", PO, "pytorch_optimizer", "pytorch_optimizer.AdaMuon",
-         "`lr=0.02, betas=(0.95, 0.95), weight_decay=0.1`, ours `momentum=0.95, nesterov=False, beta2=0.95` "
-         "(theirs has no Nesterov), theirs `use_adjusted_lr=True, use_muon=True`",
-         lambda ps: AdaMuon(ps, lr=0.02, momentum=0.95, nesterov=False, beta2=0.95, weight_decay=0.1, ns_dtype=F64),
+         "`lr=0.02, betas=(0.95, 0.95), weight_decay=0.1`, ours `momentum=0.95, nesterov=False, beta2=0.95, "
+         "version='2025-07'` (theirs has no Nesterov, and implements AdaMuon's first, July 2025 version), theirs "
+         "`use_adjusted_lr=True, use_muon=True`",
+         lambda ps: AdaMuon(ps, lr=0.02, momentum=0.95, nesterov=False, beta2=0.95, weight_decay=0.1, ns_dtype=F64,
+                            version="2025-07"),
          lambda: _torch_stepper(lambda ps: importlib.import_module("pytorch_optimizer").AdaMuon(
              [dict(params=ps, use_muon=True)], lr=0.02, betas=(0.95, 0.95), weight_decay=0.1, foreach=False)),
          differs=(1, "pytorch-optimizer's Newton-Schulz runs in bfloat16 (its dtype argument is not passed by the "
@@ -309,7 +311,7 @@ PAIRS = [
          "as the row above, ours `eps=1e-10` (their default), their Newton-Schulz run with `dtype=float64` (the "
          "module's function replaced during each step: not a public option)",
          lambda ps: AdaMuon(ps, lr=0.02, momentum=0.95, nesterov=False, beta2=0.95, weight_decay=0.1, eps=1e-10,
-                            ns_dtype=F64),
+                            ns_dtype=F64, version="2025-07"),
          lambda: _po_float64_ns_stepper(lambda ps: importlib.import_module("pytorch_optimizer").AdaMuon(
              [dict(params=ps, use_muon=True)], lr=0.02, betas=(0.95, 0.95), weight_decay=0.1, foreach=False))),
     Pair("adam-optax", "Adam", "optax", "optax", "optax.adam",

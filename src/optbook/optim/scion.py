@@ -42,7 +42,7 @@ import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
 from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
-from .muon import muon_scale
+from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
@@ -143,12 +143,13 @@ class Scion(BookOptimizer):
                  coefficients="simple", ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "unit_rms_norm"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       norm=norm, radius=radius, ns_steps=ns_steps, coefficients=coefficients,
-                                      ns_dtype=ns_dtype, scale_mode=scale_mode))
+                                      ns_dtype=ns_dtype_name(ns_dtype), scale_mode=scale_mode))
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else params if isinstance(params, set) else list(params)
-        super().add_param_group({**param_group, "params": params})
+        # ns_dtype stored as its name (torch.distributed.checkpoint can save a string, not a torch.dtype)
+        super().add_param_group({**with_ns_dtype_name(param_group), "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -158,6 +159,7 @@ class Scion(BookOptimizer):
         if group["norm"] not in NORMS:
             raise ValueError(f"Invalid norm: expected one of {NORMS}, got {group['norm']!r}")
         check_orthogonalisation({**group, "extra_scale_factor": 1.0})
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # a torch.dtype set later: stored as its name
         if group["norm"] == "spectral":
             for i, p in enumerate(group["params"]):
                 if isinstance(p, torch.Tensor) and p.ndim != 2:
