@@ -11,11 +11,13 @@ float32 (Micikevicius et al. 2018, arXiv:1710.03740): a quantity such as Adam's
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._checks import LOW_PRECISION
 
-__all__ = ["LOW_PRECISION", "in_float32", "momentum_directions", "use_foreach", "write_back"]
+__all__ = ["LOW_PRECISION", "in_float32", "momentum_directions", "steps_in_float32", "use_foreach", "write_back"]
 
 
 def momentum_directions(momentum_buffers: list[torch.Tensor], grads: list[torch.Tensor], momentum: float,
@@ -71,3 +73,27 @@ def write_back(targets: list[torch.Tensor | None], results: list[torch.Tensor | 
     for t, r in zip(targets, results):
         if t is not None and r is not t:
             t.copy_(r)
+
+
+def steps_in_float32(n_lists: int):
+    """Decorator for a functional twin ``fn(params, grads, *state_lists, *rest, **hyperparameters)``.
+
+    When any of ``params`` is float16/bfloat16, ``fn`` runs once on float32 copies of its first ``n_lists``
+    positional arguments (lists of tensors: the parameters, the gradients, then the state the step updates)
+    and every copy but the gradients' is rounded back into its original once (:func:`write_back`); the other
+    arguments pass through. Otherwise ``fn`` runs on the tensors themselves. Each functional twin's own
+    low-precision branch, written once.
+    """
+    def wrap(fn):
+        @functools.wraps(fn)
+        def step(*args, **kwargs):
+            lists, rest = args[:n_lists], args[n_lists:]
+            if not any(p.dtype in LOW_PRECISION for p in lists[0]):
+                return fn(*args, **kwargs)
+            work = [in_float32(x) for x in lists]
+            fn(*work, *rest, **kwargs)
+            for i, (target, result) in enumerate(zip(lists, work)):
+                if i != 1:   # the gradients are read, never written
+                    write_back(target, result)
+        return step
+    return wrap

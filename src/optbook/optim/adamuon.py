@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
@@ -55,6 +55,7 @@ ADAMUON_VERSIONS = ("2025-08", "2025-07")
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, momentum: float, nesterov: bool,
             beta2: float, weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
@@ -72,14 +73,6 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
     if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, exp_avg_sqs)]
-        adamuon(*work, steps, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
-                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                extra_scale_factor=extra_scale_factor, version=version)
-        for target, result in zip((params, momentum_buffers, exp_avg_sqs), (work[0], work[2], work[3])):
-            write_back(target, result)
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):

@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..polar import polar_factor
-from ._functional import LOW_PRECISION, in_float32, write_back
+from ._functional import steps_in_float32
 from .._checks import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
@@ -58,6 +58,7 @@ def dion_rank(shape, rank_fraction: float) -> int:
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
          right_factors: list[torch.Tensor], *, lr: float, momentum: float, weight_decay: float, eps: float = 1e-8,
          q_update: str = "column_norm") -> None:
@@ -86,12 +87,6 @@ def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
       strided twin get bitwise the same update (``tests/test_numerical_edges.py``).
     """
     if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, right_factors)]
-        dion(*work, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=eps, q_update=q_update)
-        for target, result in zip((params, momentum_buffers, right_factors), (work[0], work[2], work[3])):
-            write_back(target, result)
         return
     for p, g, M, Q in zip(params, grads, momentum_buffers, right_factors):
         M.add_(g)

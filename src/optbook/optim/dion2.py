@@ -42,7 +42,7 @@ import torch
 
 from .._checks import FLOATS, check_int, check_lr, check_number, check_weight_decay
 from ..polar import COEFFICIENTS, newton_schulz
-from ._functional import LOW_PRECISION, in_float32, write_back
+from ._functional import steps_in_float32
 from .muon import SCALE_MODES, muon_scale
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
@@ -65,6 +65,7 @@ def dion2_selection(shape, fraction: float) -> tuple[int, int]:
 
 
 @torch.no_grad()
+@steps_in_float32(3)
 def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
           fraction: float, ef_decay: float, weight_decay: float, eps: float = 1e-7, ns_steps: int = 5,
           coefficients="polar_express", ns_dtype="bfloat16", scale_mode: str = "unit_rms_norm") -> None:
@@ -80,13 +81,6 @@ def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
     """
     if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers)]
-        dion2(*work, lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay, eps=eps,
-              ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode)
-        write_back(params, work[0])
-        write_back(momentum_buffers, work[2])
         return
     for p, g, M in zip(params, grads, momentum_buffers):
         M.add_(g)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..polar import newton_schulz, ns_schedule
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import (as_ns_dtype, check_scale_invariant, exact_rescale, muon_scale, ns_dtype_name,
                    with_ns_dtype_name)
@@ -78,6 +78,7 @@ def check_orthogonalisation(group: dict) -> None:
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             variance_buffers: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, beta2: float,
             weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
@@ -94,14 +95,6 @@ def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
     if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, variance_buffers)]
-        normuon(*work, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
-                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant)
-        for target, result in zip((params, momentum_buffers, variance_buffers), (work[0], work[2], work[3])):
-            write_back(target, result)
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v in zip(params, directions, variance_buffers):

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
@@ -76,6 +76,7 @@ def lmo_direction(D: torch.Tensor, norm: str, *, ns_steps: int = 5, coefficients
 
 
 @torch.no_grad()
+@steps_in_float32(3)
 def scion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *,
           lr: float, momentum: float, nesterov: bool, weight_decay: float, norm: str, radius: float = 1.0,
           ns_steps: int = 5, coefficients="simple", ns_dtype: torch.dtype = torch.bfloat16,
@@ -91,13 +92,6 @@ def scion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
     """
     if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers)]
-        scion(*work, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, norm=norm,
-              radius=radius, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode)
-        for target, result in zip((params, momentum_buffers), (work[0], work[2])):
-            write_back(target, result)
         return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d in zip(params, directions):
