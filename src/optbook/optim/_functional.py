@@ -81,13 +81,15 @@ def steps_in_float32(n_lists: int):
     When any of ``params`` is float16/bfloat16, ``fn`` runs once on float32 copies of its first ``n_lists``
     positional arguments (lists of tensors: the parameters, the gradients, then the state the step updates)
     and every copy but the gradients' is rounded back into its original once (:func:`write_back`); the other
-    arguments pass through. Otherwise ``fn`` runs on the tensors themselves. Each functional twin's own
-    low-precision branch, written once.
+    arguments pass through. Otherwise ``fn`` runs on the tensors themselves; with no parameters it does not
+    run. Each functional twin's own low-precision branch and empty-list check, written once.
     """
     def wrap(fn):
         @functools.wraps(fn)
         def step(*args, **kwargs):
             lists, rest = args[:n_lists], args[n_lists:]
+            if not lists[0]:
+                return None
             if not any(p.dtype in LOW_PRECISION for p in lists[0]):
                 return fn(*args, **kwargs)
             work = [in_float32(x) for x in lists]

@@ -72,8 +72,6 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
-    if not params:
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
         current = version == "2025-08"

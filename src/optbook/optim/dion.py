@@ -86,8 +86,6 @@ def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
       e.g. the transpose of a contiguous tensor) and ``P Q^T`` is added entrywise, so a parameter and its
       strided twin get bitwise the same update (``tests/test_numerical_edges.py``).
     """
-    if not params:
-        return
     for p, g, M, Q in zip(params, grads, momentum_buffers, right_factors):
         M.add_(g)
         # the matrix products on a row-major copy: the bits do not depend on how p (and so M) is laid out

@@ -80,8 +80,6 @@ def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
     """
-    if not params:
-        return
     for p, g, M in zip(params, grads, momentum_buffers):
         M.add_(g)
         select_dim, k = dion2_selection(p.shape, fraction)

@@ -94,8 +94,6 @@ def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
-    if not params:
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v in zip(params, directions, variance_buffers):
         O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,

@@ -76,8 +76,6 @@ def schedule_free_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], z
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with ``z`` and ``v``).
     """
-    if not params:
-        return
     for y, g, z, v, t, lr, c in zip(params, grads, zs, exp_avg_sqs, steps, lrs, ckps):
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         u = g / (v / (1 - beta2 ** t)).sqrt_().add_(eps)

@@ -91,8 +91,6 @@ def scion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
     """
-    if not params:
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d in zip(params, directions):
         u = lmo_direction(d, norm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
