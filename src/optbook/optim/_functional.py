@@ -79,13 +79,17 @@ def write_back(targets: list[torch.Tensor | None], results: list[torch.Tensor | 
             t.copy_(r)
 
 
-def check_fused(group: dict, *, nesterov: bool = False) -> None:
+def check_fused(group: dict, *, nesterov: bool = False, sgd: bool = False) -> None:
     """Check a group's ``fused`` option (SGD, Adam, AdamW), and that torch's fused kernel can take the group.
 
     ``None``/``False`` ask for nothing. ``True`` needs ``foreach`` not ``True`` (``torch.optim`` refuses both
     too), no Nesterov look-ahead (SGD: torch's kernel computes another one), and every parameter floating
     point on a device torch has fused optimizer kernels for (``torch.utils._foreach_utils.
-    _get_fused_kernels_supported_devices``, torch 2.13: CPU, CUDA, MPS, XPU, HPU, MTIA).
+    _get_fused_kernels_supported_devices``, torch 2.13: CPU, CUDA, MPS, XPU, HPU, MTIA). For SGD
+    (``sgd=True``) also no float16/bfloat16 parameter on the CPU: torch 2.13's CPU ``_fused_sgd_`` writes wrong
+    values there (pytorch/pytorch#191763, a fix proposed in pytorch/pytorch#192545: full SIMD blocks of a
+    float16/bfloat16 tensor skipped, and stale values written into the momentum buffer; observed with
+    torch 2.13.0+cpu as momentum-buffer entries that differ from run to run).
 
     Raises:
         TypeError: ``fused`` not ``None``/``True``/``False``.
@@ -108,3 +112,7 @@ def check_fused(group: dict, *, nesterov: bool = False) -> None:
         if isinstance(p, torch.Tensor) and (p.device.type not in devices or not p.is_floating_point()):
             raise ValueError(f"Invalid fused=True: parameter {i} is {p.dtype} on {p.device.type}, and torch has "
                              f"fused optimizer kernels only for floating-point tensors on {devices}")
+        if sgd and isinstance(p, torch.Tensor) and p.device.type == "cpu" and p.dtype in LOW_PRECISION:
+            raise ValueError(f"Invalid fused=True: parameter {i} is {p.dtype} on the CPU, where torch's fused SGD "
+                             "kernel writes wrong values (pytorch/pytorch#191763); use fused=False (or None) for "
+                             "float16/bfloat16 parameters on the CPU")

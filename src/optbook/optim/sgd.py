@@ -107,7 +107,9 @@ class SGD(BookOptimizer):
         fused: ``True`` steps with torch's fused kernel (:func:`sgd`'s ``fused``: the same update,
             rounded otherwise; bitwise ``torch.optim.SGD(fused=True, momentum=mu, dampening=mu)`` with a
             zero buffer in its state). ``None``/``False``: not fused. Refused with ``foreach=True``, with
-            ``nesterov``, and for a parameter on a device torch has no fused kernel for.
+            ``nesterov``, for a parameter on a device torch has no fused kernel for, and for a
+            float16/bfloat16 parameter on the CPU (torch 2.13's kernel writes wrong values there:
+            pytorch/pytorch#191763).
 
     torch's ``differentiable`` and ``capturable`` are refused unless ``False`` (``BookOptimizer``).
 
@@ -148,7 +150,7 @@ class SGD(BookOptimizer):
         check_nesterov(group["nesterov"], momentum)
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
-        check_fused(group, nesterov=group["nesterov"])
+        check_fused(group, nesterov=group["nesterov"], sgd=True)
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
