@@ -5,7 +5,21 @@
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from optbook.optim import SGD, Adam, AdamW
+
+
+class Ops(TorchDispatchMode):
+    """The names of the ATen ops run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [(40, 30), (7,), (3, 5)]
@@ -111,7 +125,11 @@ def test_switching_fused_on_mid_run_continues_from_the_same_state(cls):
     a, b = cls(ours, **kw), cls(theirs, **kw)
     drive([(a, ours), (b, theirs)], steps=3)
     a.param_groups[0]["fused"] = True
-    drive([(a, ours), (b, theirs)], steps=3, seed=2)
+    with Ops() as ops:
+        drive([(a, ours)], steps=1, seed=2)
+    assert any(name.startswith("_fused_") for name in ops.names), ops.names   # the fused kernel ran
+    drive([(b, theirs)], steps=1, seed=2)
+    drive([(a, ours), (b, theirs)], steps=2, seed=3)
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-14, atol=1e-14)
 
