@@ -141,3 +141,15 @@ def test_fused_sgd_refuses_low_precision_on_the_cpu_where_torchs_kernel_is_wrong
     with pytest.raises(ValueError, match=r"Invalid fused=True: parameter 0 is torch\.(b?float16) on the CPU.*191763"):
         SGD([p], lr=0.1, momentum=0.9, fused=True)
     SGD([p], lr=0.1, momentum=0.9, fused=False)
+
+
+def test_fused_and_compiled_step_are_not_taken_together():
+    from optbook.optim import compiled_step
+    p = torch.randn(4, 3, requires_grad=True)
+    opt = AdamW([p], lr=1e-2, fused=True)
+    compiled_step(opt, backend="eager")
+    p.grad = torch.randn(4, 3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="Invalid fused=True: .*compiled_step"):
+        opt.step()
+    assert torch.equal(p, before) and len(opt.state) == 0

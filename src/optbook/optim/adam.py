@@ -157,6 +157,9 @@ class _AdamBase(BookOptimizer):
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
         check_fused(group)
+        if group["fused"] and self.compiled is not None:
+            raise ValueError("Invalid fused=True: this optimizer's arithmetic runs through compiled_step's "
+                             "torch.compile-d kernel, and fused=True hands it to torch's fused kernel; choose one")
 
     def _expected_state(self, p, group):
         like = (tuple(p.shape), p.dtype)

@@ -7,21 +7,29 @@ It adds these things to :class:`torch.optim.Optimizer`:
   a ``step()`` that raises leaves parameters and state untouched;
 * a gradient holding ``inf`` or ``NaN`` raises :class:`~optbook.contract.NonFiniteGradientError` naming
   the parameter, before any write (the step contract of :mod:`optbook.contract`; ``torch.optim`` writes
-  the NaN into the weights), found by one reduction per device over all the step's gradients;
+  the NaN into the weights), found by one reduction per device over all the step's gradients, on the
+  calling thread (optbook starts no thread of its own);
+* ``params`` may be ``model.named_parameters()``: the names are kept in each group's ``param_names`` and
+  in ``state_dict()``, as torch 2.13 does;
+* ``torch.optim`` arguments a class does not take (``maximize``, ``dampening``, ``fused``, ``foreach``,
+  ``differentiable``, ``capturable``) are accepted when they ask for nothing it does not do, and refused
+  naming the argument and why otherwise (:mod:`optbook.optim._torch_arguments`);
 * ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
 * a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
   (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it. The same holds for
   every other real-valued hyperparameter a class lists in ``float_options`` (``momentum``,
-  ``weight_decay``, ``eps``, each entry of ``betas``, ...); a tensor with more than one element, a
-  bool, complex or non-finite one is refused when the group is added, naming the argument;
+  ``weight_decay``, ``eps``, each entry of ``betas``, ...); a tensor with more than one element is refused
+  with ``ValueError`` ("Tensor lr must be 1-element", as ``torch.optim``), a bool, complex or non-finite
+  one too, when the group is added and at each step, naming the argument;
 * a parameter with zero elements (e.g. shape ``(0, 3)``) is skipped: it has nothing to update, gets no
   state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape;
 * a state dict saved before an option existed (e.g. ``foreach``, ``head_split``, ``amsgrad``) loads and
   steps: ``__setstate__`` fills each missing option with the constructor's default, the behaviour the
   old version had (as ``torch.optim``'s classes do, one ``setdefault`` per option);
 * ``load_state_dict`` checks the whole dict first (layout, counts, hyperparameters, each state tensor's
-  shape and dtype) and writes nothing on an error; it copies the state tensors it is given, so the
+  shape and dtype, and its values: no ``inf``/``NaN``, no negative entry in a second moment a class lists
+  in ``nonnegative_state``) and writes nothing on an error; it copies the state tensors it is given, so the
   loaded optimizer never shares them with the source (``torch.optim.Optimizer.load_state_dict`` keeps a
   same-dtype, same-device tensor as it is: stepping one optimizer then changes the other;
   pytorch/pytorch#196083).
