@@ -9,12 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..optim._validation import check_int
+from .._checks import LOW_PRECISION, check_int
 
 __all__ = ["LOW_PRECISION", "all_gather", "check_int", "reduce_scatter"]
-
-#: Parameter dtypes that get float32 masters and float32 gradient buffers.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
 #: ``all_gather(output, input, group=)``: every rank's ``input`` concatenated into ``output``.

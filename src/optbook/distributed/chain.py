@@ -13,7 +13,7 @@ import torch
 
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError, closure_loss
-from ..optim._validation import check_int
+from .._checks import check_int
 from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ boundaries) cannot step Muon shard by shard. Two ways out:
   longest-processing-time-first bin packing (:func:`lpt_assign`) on the Newton–Schulz cost
   ``max(m, n) * min(m, n)**2`` (:func:`ns_cost`). The gradients are averaged over the ranks (one
   all-reduce, as ``DistributedDataParallel``); the owner of a matrix keeps its momentum and runs the Muon
-  step on it (the functional core :func:`optbook.optim.muon`); the updated matrices are all-gathered so
+  step on it (the functional core :func:`optbook.optim.functional.muon`); the updated matrices are all-gathered so
   every rank holds the same parameters. This is Megatron-LM's ``LayerWiseDistributedOptimizer``
   (``megatron/core/optimizer/layer_wise_optimizer.py``, core_v0.16.0: gradients all-reduced, parameters
   all-gathered with variable sizes; its owners are assigned by element count, ping-pong over the ranks in
@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
-from ..optim import Muon, muon
-from ..optim._validation import check_int
+from ..optim import Muon
+from ..optim.functional import muon
+from .._checks import check_int
 from ..optim.muon import split_rows
 from ._collectives import all_gather
 from ._muon_common import (
@@ -149,7 +150,8 @@ def rank_loads(costs, owners, world_size: int) -> list:
         raise ValueError(f"Invalid owners: {len(owners)} owners for {len(costs)} costs")
     loads = [0] * world_size
     for c, r in zip(costs, owners):
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+        check_int("owners[i]", r, 0)
+        if r >= world_size:
             raise ValueError(f"Invalid owners: {r!r} is not a rank in 0 .. {world_size - 1}")
         loads[r] += c
     return loads
@@ -194,7 +196,7 @@ class LayerWiseMuon(Muon):
         all_reduce([failing rank + 1, has_grad...], MAX)      every rank raises together on bad input
         g = all_reduce(flat local gradients, SUM) / d          the mean gradient, on every rank
         clip g by its norm (max_grad_norm)                    replicated: no further communication
-        owner of W:  M, W <- Muon(W, M, g_W)                  optbook.optim.muon on the owned matrices
+        owner of W:  M, W <- Muon(W, M, g_W)                  optbook.optim.functional.muon on the owned matrices
         all_gather(owned matrices, padded to the largest rank) every rank gets every W
 
     The owners' arithmetic is the single-process Muon's, on the same mean gradient: with an exact mean

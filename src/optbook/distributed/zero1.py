@@ -48,7 +48,7 @@ import torch.distributed as dist
 from .. import contract
 from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
-from ..optim._validation import check_grad, check_number
+from .._checks import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
 from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
 from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter

@@ -51,8 +51,8 @@ import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
 from . import _sharded
+from .._checks import check_grad, check_matrices, check_params
 from ._torch_arguments import take_torch_arguments
-from ._validation import check_grad, check_matrices, check_params
 
 
 def check_state_layout(param_groups: list[dict], state_dict) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from ._functional import LOW_PRECISION, check_fused, in_float32, momentum_directions, use_foreach, write_back
 from ._sharded import local
-from ._validation import check_bool, check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
+from .._checks import check_bool, check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["SGD", "sgd"]
