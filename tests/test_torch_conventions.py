@@ -42,6 +42,18 @@ def test_named_parameters_are_accepted_and_their_names_kept_as_torch_does(name):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_non_finite_gradient_is_reported_with_the_parameters_name(name):
+    from optbook.contract import NonFiniteGradientError
+    net = model()
+    opt = FACTORIES[name](net.named_parameters())
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    net[2].weight.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[1\] \('2.weight'\)"):
+        opt.step()
+
+
 def test_named_and_unnamed_parameters_are_not_mixed_as_in_torch():
     net = model()
     (n0, p0), (_, p1) = net.named_parameters()

@@ -489,6 +489,8 @@ class BookOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
+                if "param_names" in group:   # given as model.named_parameters(): the name too
+                    where += f" ({group['param_names'][pi]!r})"
                 check_grad(p, where)
                 if p.numel():
                     named.append((where, p))
