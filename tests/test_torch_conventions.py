@@ -241,3 +241,9 @@ def test_negative_momentum_is_a_valid_state(cls):
     saved["state"][0][key].fill_(-1.0)
     opt.load_state_dict(saved)
     assert float(opt.state[params[0]][key].max()) == -1.0
+
+
+def test_adams_decoupled_weight_decay_points_to_adamw():
+    Adam(matrices(), decoupled_weight_decay=False)
+    with pytest.raises(ValueError, match=r"Invalid decoupled_weight_decay=True: .*AdamW"):
+        Adam(matrices(), decoupled_weight_decay=True)

@@ -247,12 +247,17 @@ _ARGS_DOC = """
 class Adam(_AdamBase):
     __doc__ = ("Adam (Kingma & Ba 2015, Algorithm 1) with optional coupled L2 weight decay.\n"
                + _ARGS_DOC.format(name="Adam", kernel="adam", wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
-                                     "rescaled by the adaptive denominator (chapter 3, Prop. 2)."))
+                                     "rescaled by the adaptive denominator (chapter 3, Prop. 2).")
+               + "\n    ``decoupled_weight_decay``: only ``False``; torch 2.13's ``Adam(decoupled_weight_decay=True)``"
+                 " is AdamW,\n    which is :class:`AdamW` here (``ValueError`` otherwise).\n")
     _decoupled = False
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False,
-                 *, foreach: bool | None = None, fused: bool | None = None):
+                 *, foreach: bool | None = None, fused: bool | None = None, decoupled_weight_decay: bool = False):
+        if decoupled_weight_decay is not False:
+            raise ValueError(f"Invalid decoupled_weight_decay={decoupled_weight_decay!r}: torch's "
+                             "Adam(decoupled_weight_decay=True) is AdamW; use optbook.optim.AdamW. Accepted here: False")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused)
 
 
