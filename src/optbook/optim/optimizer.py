@@ -198,12 +198,12 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     per device; no thread of its own.
 
     A tensor's 2-norm is finite when every element is (a NaN or ``inf`` element makes it non-finite), so
-    ``torch._foreach_norm(tensors, 2)`` over a device's tensors, stacked and tested with ``torch.isfinite``,
-    decides the usual case with one ``bool``. Only when that fails -- a non-finite element, or a huge finite
-    tensor whose sum of squares overflows -- or when a tensor is float16 (whose norm overflows at 65504, as
-    scaled gradients' norms do) is the exact test made (``torch.stack`` promotes the norms to a common dtype): the largest magnitude of each tensor
-    (``torch._foreach_norm(tensors, inf)``; a NaN propagates through it, ``inf`` is one, and a finite
-    maximum cannot overflow). The 2-norm goes first because on the CPU the inf-norm takes a path about
+    ``torch._foreach_norm(tensors, 2)`` over a device's tensors, stacked (``torch.stack`` promotes them to a
+    common dtype) and tested with ``torch.isfinite``, decides the usual case with one ``bool``. Only when
+    that fails -- a non-finite element, or a huge finite tensor whose sum of squares overflows -- or when a
+    tensor is float16 (whose norm overflows at 65504, as scaled gradients' norms do) is the exact test made:
+    the largest magnitude of each tensor (``torch._foreach_norm(tensors, inf)``; a NaN propagates through
+    it, ``inf`` is one, and a finite maximum cannot overflow). The 2-norm goes first because on the CPU the inf-norm takes a path about
     10x slower. Empty tensors are skipped.
 
     ``DTensor`` entries (parameters sharded by FSDP2's ``fully_shard``) are checked on their local shards,
