@@ -7,17 +7,15 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError, closure_loss
-from ..optim._validation import check_int
-from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
-
-if TYPE_CHECKING:
-    from .layerwise_muon import LayerWiseMuon
+from ._comm import check_int
+from ._muon_common import check_max_grad_norm
+from .fsdp2 import FSDP2Muon
+from .layerwise_muon import LayerWiseMuon
+from .zero1 import DistributedOptimizer
 
 __all__ = ["DistributedChain"]
 
@@ -28,8 +26,9 @@ class DistributedChain(torch.optim.Optimizer):
 
     The norm is ``sqrt(S_muon + S_adamw)``: ``S_muon`` is the sum of squares of the all-reduced (replicated)
     Muon gradients, computed once on every rank with no further communication; ``S_adamw`` sums the
-    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.step(extra_grad_sumsq=
-    S_muon)``). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
+    squares of each rank's ZeRO-1 shard over the group, in the same all-reduce
+    (``DistributedOptimizer.clip_grads(max_norm, extra_sumsq=S_muon)``, the phase
+    ``DistributedOptimizer.step(extra_grad_sumsq=S_muon)`` runs). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
     that of the gradients, not of the orthogonalised updates (whose norm is fixed by Newton–Schulz and would
     make clipping meaningless). Without ``max_grad_norm`` the norm is still computed (``last_grad_norm``).
 
@@ -51,10 +50,27 @@ class DistributedChain(torch.optim.Optimizer):
     state dict)
     and ``last_grad_norm`` (the global norm before clipping, float).
 
-    Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
-    raises), AdamW reduce-scatters, clips by the shared norm and steps its shards, then Muon clips by the
-    same coefficient, steps the owned matrices and all-gathers. If AdamW raises, Muon has written nothing.
+    Step order (a collective), through the members' public phases only (after Megatron-LM's
+    ``ChainedOptimizer``: every member's ``prepare_grads``, one clip, every member's ``step_with_ready_grads``;
+    ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0): ``muon.prepare_grads()`` validates and
+    all-reduces (nothing written; on bad input or inf/NaN every rank raises), ``adamw.prepare_grads()``
+    validates and reduce-scatters (if it raises, the Muon member drops its prepared gradients: nothing
+    written), ``adamw.clip_grads(max_grad_norm, extra_sumsq=S_muon)`` gives the global norm and clips the
+    shards, ``adamw.step_with_ready_grads()`` steps the shards and all-gathers, and
+    ``muon.step_with_ready_grads(coefficient)`` clips by the same coefficient, steps the owned matrices (their
+    float32 masters for bfloat16) and all-gathers. No member's attribute is changed while it steps.
     Parameters of any shape, 0-dim ones included, go to the AdamW member (Muon refuses all but 2-D).
+
+    Precision: bfloat16 parameters get float32 masters in both members (ZeRO-1 keeps them for its shard,
+    LayerWiseMuon for the matrices a rank owns), so the chain on a bfloat16 model gives the numbers of
+    :class:`optbook.precision.MixedPrecisionOptimizer` around a single-process ``ChainedOptimizer([Muon,
+    AdamW])``.
+
+    FSDP2: this chain steps replicated parameters (data parallelism). Under ``fully_shard`` every rank
+    already holds its shard of the mean gradient: clip all of them by one norm with
+    :func:`optbook.clipping.clip_grad_norm_` ``(params, max_norm, group=mesh.get_group())``, then step
+    :class:`~optbook.distributed.FSDP2Muon` (matrices) and an element-wise optimizer (the rest) in turn;
+    this class refuses an ``FSDP2Muon`` member, naming that recipe.
 
     Raises:
         TypeError: a member of the wrong type.
@@ -62,10 +78,12 @@ class DistributedChain(torch.optim.Optimizer):
             bad ``max_grad_norm``.
     """
 
-    def __init__(self, muon: LayerWiseMuon, adamw, max_grad_norm=None):
-        from .layerwise_muon import LayerWiseMuon  # here: layerwise_muon re-exports this module's class
-        from .zero1 import DistributedOptimizer
-
+    def __init__(self, muon: LayerWiseMuon, adamw: DistributedOptimizer, max_grad_norm=None):
+        if isinstance(muon, FSDP2Muon):
+            raise TypeError("Invalid muon: DistributedChain takes a LayerWiseMuon (replicated parameters); under "
+                            "FSDP2 each rank already holds its shard of the mean gradient: clip every parameter by "
+                            "one norm with optbook.clipping.clip_grad_norm_(params, max_norm, "
+                            "group=mesh.get_group()), then step the FSDP2Muon and the element-wise optimizer in turn")
         if not isinstance(muon, LayerWiseMuon):
             raise TypeError(f"Invalid muon: expected a LayerWiseMuon, got {type(muon).__name__}")
         if not isinstance(adamw, DistributedOptimizer):
@@ -110,32 +128,22 @@ class DistributedChain(torch.optim.Optimizer):
                 ``NaN``: every rank raises, nothing written by either member.
         """
         loss = closure_loss(closure)
-        total, bad = self.muon._reduce()
-        if bad is not None:
-            self.muon._mean_grads = None
-            raise nonfinite_error("DistributedChain (Muon member)", bad, self.muon._params[bad])
-        saved_norm, saved_skipped = self.adamw.max_grad_norm, self.adamw.skipped_steps
-        self.adamw.max_grad_norm = self.max_grad_norm
+        try:   # every rank raises together on bad input or inf/NaN, nothing kept
+            muon_sumsq = self.muon.prepare_grads()
+        except NonFiniteGradientError as e:
+            raise NonFiniteGradientError(f"DistributedChain (Muon member): {e}") from e
         try:
-            self.adamw.step(extra_grad_sumsq=total)
-        except NonFiniteGradientError as e:  # a DistributedOptimizer that raises itself (nothing written)
-            self.muon._mean_grads = None
+            self.adamw.prepare_grads()   # no loss scaler: it raises, never skips
+        except NonFiniteGradientError as e:
+            self.muon.discard_grads()
             raise NonFiniteGradientError(f"DistributedChain (AdamW member): {e}") from e
         except BaseException:
-            self.muon._mean_grads = None
+            self.muon.discard_grads()
             raise
-        finally:
-            self.adamw.max_grad_norm = saved_norm
-        if self.adamw.found_inf:  # a DistributedOptimizer that skipped (it wrote nothing): here it is an error
-            self.muon._mean_grads = None
-            self.adamw.skipped_steps = saved_skipped
-            self.adamw.found_inf = False
-            raise NonFiniteGradientError("DistributedChain.step: a mean gradient of the AdamW member holds inf or "
-                                         "NaN, on every rank; nothing was changed (without a loss scaler a "
-                                         "non-finite gradient is an error: find its cause)")
-        self.last_grad_norm = float(self.adamw.last_grad_norm)
+        self.last_grad_norm = self.adamw.clip_grads(self.max_grad_norm, extra_sumsq=muon_sumsq)
         self.muon.last_grad_norm = self.last_grad_norm
-        self.muon._apply(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
+        self.adamw.step_with_ready_grads()
+        self.muon.step_with_ready_grads(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -175,7 +183,7 @@ class DistributedChain(torch.optim.Optimizer):
             raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
                             "DistributedChain.state_dict())")
         skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
-        check_muon_state_dict(state_dict["muon"], self.muon)
+        self.muon.check_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
         self.skipped_steps = skipped
@@ -206,8 +214,7 @@ class DistributedChain(torch.optim.Optimizer):
                             "or a list of every rank's")
         pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
         skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
-        muon_plain = self.muon._plain_from_shards(pick("muon"))
-        check_muon_state_dict(muon_plain, self.muon)
+        self.muon.check_sharded_state_dict(pick("muon"))
         self.adamw.load_sharded_state_dict(pick("adamw"))
-        self.muon.load_state_dict(muon_plain)
+        self.muon.load_sharded_state_dict(pick("muon"))
         self.skipped_steps = skipped
