@@ -15,7 +15,7 @@ has. The number printed is therefore called an *estimate*: with the best of the 
 AdamW still ran at 0.90x of it in one run on a loaded 2-core machine, so it is not a lower bound there
 either; the script says which way it came out.
 
-optbook's CPU step (``optbook.optim.adam``, ``optbook.optim._blocks``) cuts the large tensors into blocks
+optbook's CPU step (``optbook.optim.functional.adam``, ``optbook.optim._blocks``) cuts the large tensors into blocks
 of 1 MiB that worker threads step with single-threaded kernels, every line of the update on one block
 before the next, and runs the small tensors' ``foreach`` lines and the non-finite check's norms on the
 same workers: the threads wake once per step. torch's for-loop and foreach run each line over each

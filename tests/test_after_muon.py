@@ -17,12 +17,8 @@ from optbook.optim import (
     NorMuon,
     ScheduleFreeAdamW,
     Scion,
-    adamuon,
-    dion,
-    normuon,
-    schedule_free_adamw,
-    scion,
 )
+from optbook.optim.functional import adamuon, dion, normuon, schedule_free_adamw, scion
 from optbook.optim.dion import dion_rank
 from optbook.optim.schedule_free import schedule_free_weight
 

@@ -62,7 +62,7 @@ def test_overhead_is_about_four_times_dp_width_over_batch_tokens():
     (lambda: ns_flops((5,)), "shape"), (lambda: ns_flops((0, 4)), "shape"),
     (lambda: ns_flops((4, 4), 0), "steps"),
     (lambda: ns_flops((4, 4), coefficients="sextic"), "coefficients"),
-    (lambda: ns_overhead(0, 2, 10), "width"), (lambda: ns_overhead(8, 2.0, 10), "depth"),
+    (lambda: ns_overhead(0, 2, 10), "width"),
     (lambda: ns_overhead(8, 2, 0), "batch_tokens"), (lambda: ns_overhead(8, 2, 10, dp=0), "dp"),
     (lambda: ns_overhead(8, 2, 10, vocab_size=-1), "vocab_size"),
     (lambda: run_benchmark([(4, 4)], ["float8"]), "dtypes"),
@@ -74,6 +74,11 @@ def test_overhead_is_about_four_times_dp_width_over_batch_tokens():
 def test_bad_arguments_raise_naming_the_argument(call, word):
     with pytest.raises(ValueError, match=word):
         call()
+
+
+def test_a_size_that_is_not_an_int_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="depth"):
+        ns_overhead(8, 2.0, 10)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from optbook.optim import AdamW, Muon, compiled_muon_step, muon
+from optbook.optim import AdamW, Muon, compiled_muon_step
+from optbook.optim.functional import muon
 
 
 def _pair(shapes, seed=0, **kw):

@@ -2,7 +2,7 @@
 
 Reference: the eager ``optbook.optim.AdamW`` (itself tested against ``torch.optim.AdamW``). The tests
 marked ``compile`` run Inductor (one compilation, about 10-40 s on 2 CPU cores); the others check the
-capturable functional core eagerly, in float64, against :func:`optbook.optim.adam`, and run the compiled
+capturable functional core eagerly, in float64, against :func:`optbook.optim.functional.adam`, and run the compiled
 path through Dynamo with ``backend="eager"`` (tracing, no code generation: seconds) to check that it is
 the optimizer's own ``step()`` (hooks, scheduler, chain member, mixed-precision inner optimizer).
 """
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from optbook.contract import NonFiniteGradientError
-from optbook.optim import SGD, Adam, AdamW, ChainedOptimizer, Muon, adam, adam_tensor, compiled_step
+from optbook.optim import SGD, Adam, AdamW, ChainedOptimizer, Muon, adam_tensor, compiled_step
+from optbook.optim.functional import adam
 
 
 @pytest.mark.parametrize("decoupled, amsgrad, maximize", [(True, False, False), (False, True, True),

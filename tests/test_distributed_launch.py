@@ -81,7 +81,7 @@ def test_functions_a_spawned_process_cannot_import_are_refused_before_starting()
 
 @pytest.mark.parametrize("kwargs, error, word", [
     (dict(world_size=0), ValueError, "world_size"),
-    (dict(world_size=True), ValueError, "world_size"),
+    (dict(world_size=True), TypeError, "world_size"),
     (dict(backend="mpi"), ValueError, "backend"),
     (dict(timeout=0.0), ValueError, "timeout"),
     (dict(timeout=float("inf")), ValueError, "timeout"),

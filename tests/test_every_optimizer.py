@@ -349,7 +349,7 @@ def test_pickled_optimizer_without_newer_options_unpickles_with_defaults(name):
 
 def _twin_run(name):
     """Drive the class and, by hand, its functional twin on the same gradients; return both parameter lists."""
-    from optbook.optim import adafactor, lion, muon, shampoo, soap
+    from optbook.optim.functional import adafactor, lion, muon, shampoo, soap
 
     ours, theirs = matrices(shapes=((4, 3), (3, 5))), matrices(shapes=((4, 3), (3, 5)))
     hp = {"Lion": dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1),

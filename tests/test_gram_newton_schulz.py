@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from optbook.bench import ns_flops
-from optbook.newton_schulz import GRAM_RESTARTS, newton_schulz, ns_schedule
+from optbook.polar import GRAM_RESTARTS, newton_schulz, ns_schedule
 
 #: The iteration variants checked against the oracle: (algorithm, precondition).
 VARIANTS = [("standard", None), ("gram", None), ("standard", "aol"), ("gram", "aol")]
@@ -171,14 +171,22 @@ def test_zero_matrix_and_degenerate_shapes():
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"algorithm": "fast"}, "algorithm"), ({"precondition": "jacobi"}, "precondition"),
-    ({"restarts": (0,)}, "restarts"), ({"restarts": 2}, "restarts"), ({"restarts": (1.5,)}, "restarts"),
-    ({"algorithm": "gram", "restarts": (True,)}, "restarts")])
+    ({"restarts": (0,)}, "restarts"), ({"restarts": 2}, "restarts")])
 def test_bad_arguments_raise_naming_the_argument(kwargs, word):
     with pytest.raises(ValueError, match=word):
         newton_schulz(torch.randn(4, 6), **kwargs)
     if "precondition" not in kwargs:   # ns_flops takes the same algorithm and restarts
         with pytest.raises(ValueError, match=word):
             ns_flops((4, 6), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"restarts": (1.5,)}, {"algorithm": "gram", "restarts": (True,)}])
+def test_a_restart_that_is_not_an_int_is_a_type_error_naming_restarts(kwargs):
+    with pytest.raises(TypeError, match="restarts"):
+        newton_schulz(torch.randn(4, 6), **kwargs)
+    with pytest.raises(TypeError, match="restarts"):
+        ns_flops((4, 6), **{k: v for k, v in kwargs.items() if k != "precondition"})
+
 
 
 #: Where ``pip install --target DIR --no-deps gram-newton-schulz==0.1.6`` put Dao-AILab's package (its declared

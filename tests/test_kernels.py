@@ -294,7 +294,7 @@ def test_muon_passes_gram_to_newton_schulz_and_symmetric_steps_like_plain(interp
     # plain newton_schulz test above (both round each bf16 product once, in different orders), for 3 steps
     # of lr 0.02
     from optbook.optim import Muon
-    muon_module = sys.modules["optbook.optim.muon"]   # the module (optbook.optim.muon is the function)
+    muon_module = sys.modules["optbook.optim.muon"]   # the module (optbook.optim.functional.muon is the function)
     seen = []
     real = muon_module.newton_schulz
     monkeypatch.setattr(muon_module, "newton_schulz", lambda *a, **k: seen.append(k["gram"]) or real(*a, **k))

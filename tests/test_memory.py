@@ -82,7 +82,7 @@ def test_offload_moves_optimizer_rows_to_the_host():
     (dict(optimizer="muon", sharding="zero1"), ValueError, "sharding"),
     (dict(dp=0), ValueError, "dp"),
     (dict(dp=2.0), TypeError, "dp"),
-    (dict(param_dtype=torch.int32), TypeError, "param_dtype"),
+    (dict(param_dtype=torch.int32), ValueError, "param_dtype"),
     (dict(grad_dtype="bf16"), TypeError, "grad_dtype"),
     (dict(param_dtype=F32, master_weights=True), ValueError, "master_weights"),
     (dict(adamw_fraction=0.1), ValueError, "adamw_fraction"),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from optbook import newton_schulz, polar_factor
-from optbook.optim import Muon, muon, muon_scale, split_rows
+from optbook.optim import Muon, muon_scale, split_rows
+from optbook.optim.functional import muon
 
 
 def drive(opts_and_params, shape, steps, seed=0):
@@ -260,7 +261,7 @@ def test_a_global_clip_does_not_change_muons_update(ns_dtype):
 
 
 def test_aol_preconditioned_muon_is_newton_schulz_with_aol_and_refuses_an_unknown_preconditioner():
-    from optbook.newton_schulz import newton_schulz
+    from optbook.polar import newton_schulz
     from optbook.optim import TURBO_SCHEDULE
     from optbook.optim.muon import exact_rescale, muon_scale
 
@@ -286,7 +287,7 @@ def test_aol_preconditioned_muon_is_newton_schulz_with_aol_and_refuses_an_unknow
 def test_aol_with_four_steps_is_at_least_as_close_to_the_polar_factor_as_the_five_step_default():
     """bfloat16, random Gaussian matrices of the benchmark's shapes: the Turbo-Muon schedule (AOL, 4 steps)
     lands closer to U V^T than torch.optim.Muon's 5 steps of (3.4445, -4.7750, 2.0315), with 4/5 of the products."""
-    from optbook.newton_schulz import newton_schulz
+    from optbook.polar import newton_schulz
     from optbook.optim import TURBO_SCHEDULE
 
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""optbook.optim.muon batches blocks of one shape up to a transpose: the result is each block's own.
+"""optbook.optim.functional.muon batches blocks of one shape up to a transpose: the result is each block's own.
 
 Reference: the same step run on each parameter alone (one ``newton_schulz`` call per matrix), in float64,
 where batching changes nothing but the order of independent products.
@@ -6,7 +6,7 @@ where batching changes nothing but the order of independent products.
 
 import torch
 
-from optbook.optim import muon
+from optbook.optim.functional import muon
 
 
 def _step(params, grads, **hyper):

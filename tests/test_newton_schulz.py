@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from optbook import newton_schulz, ns_schedule, polar_factor
-from optbook.newton_schulz import POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY
+from optbook.polar import POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY
 
 SCHEDULES = [("simple", 5), ("quintic", 5), ("deepseek_v4", 10), ("cubic", 12), ("polar_express", 5)]
 
@@ -105,13 +105,19 @@ def test_polar_factor_is_the_exact_oracle():
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    (dict(coefficients="sextic"), "coefficients"), (dict(steps=0), "steps"), (dict(steps=2.5), "steps"),
+    (dict(coefficients="sextic"), "coefficients"), (dict(steps=0), "steps"),
     (dict(coefficients="deepseek_v4", steps=5), "steps=10"), (dict(coefficients=[(1.0, 2.0)]), "coefficients"),
     (dict(eps=0.0), "eps"),
 ])
 def test_bad_arguments_raise_naming_the_argument(kwargs, word):
     with pytest.raises(ValueError, match=word):
         newton_schulz(torch.randn(3, 4), **kwargs)
+
+
+@pytest.mark.parametrize("steps", [2.5, True, "5", None])
+def test_a_step_count_that_is_not_an_int_is_a_type_error_naming_steps(steps):
+    with pytest.raises(TypeError, match="steps"):
+        newton_schulz(torch.randn(3, 4), steps=steps)
 
 
 def test_non_matrix_and_integer_input_is_refused():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optbook import newton_schulz
-from optbook.newton_schulz import (
+from optbook.polar import (
     POLAR_EXPRESS,
     POLAR_EXPRESS_PUBLISHED,
     POLAR_EXPRESS_SAFETY,
@@ -86,8 +86,13 @@ def test_more_steps_narrow_the_band_and_a_lower_bound_costs_steps():
     assert polar_express_band(5, 1e-4)[0] < polar_express_band(5, 1e-3)[0]
 
 
+def test_a_step_count_that_is_not_an_int_is_a_type_error():
+    with pytest.raises(TypeError, match="steps"):
+        polar_express_coefficients(steps=2.0)
+
+
 @pytest.mark.parametrize("kwargs, word", [
-    ({"steps": 0}, "steps"), ({"steps": 2.0}, "steps"), ({"lower_bound": 0}, "lower_bound"),
+    ({"steps": 0}, "steps"), ({"lower_bound": 0}, "lower_bound"),
     ({"lower_bound": 1.5}, "lower_bound"), ({"safety": 0.99}, "safety"), ({"safety": math.inf}, "safety"),
     ({"cushion": 1.0}, "cushion"), ({"input_scale": 0}, "input_scale")])
 def test_bad_arguments_raise_naming_the_argument(kwargs, word):

@@ -62,8 +62,6 @@ def test_masks_over_steps_give_the_share_clipped_at_least_once_and_per_step():
 
 @pytest.mark.parametrize("report,n_layers,n_heads,match", [
     ([], 0, 4, "n_layers"),
-    ([], 2, True, "n_heads"),
-    ([], 2.0, 4, "n_layers"),
     ([dict(layer=2, head=0, gamma=0.5)], 2, 4, "outside"),
     ([dict(layer=0, head=-1, gamma=0.5)], 2, 4, "outside"),
     ([dict(layer=0, head=1)], 2, 4, "gamma"),
@@ -73,3 +71,9 @@ def test_masks_over_steps_give_the_share_clipped_at_least_once_and_per_step():
 def test_bad_input_raises_naming_the_argument(report, n_layers, n_heads, match):
     with pytest.raises(ValueError, match=match):
         clipped_heads(report, n_layers, n_heads)
+
+
+@pytest.mark.parametrize("n_layers,n_heads,match", [(2, True, "n_heads"), (2.0, 4, "n_layers")])
+def test_a_count_that_is_not_an_int_is_a_type_error_naming_it(n_layers, n_heads, match):
+    with pytest.raises(TypeError, match=match):
+        clipped_heads([], n_layers, n_heads)

@@ -33,7 +33,7 @@ def test_a_bad_offset_is_refused_with_its_name(monkeypatch, raw):
 def test_bad_seeds_are_refused():
     with pytest.raises(ValueError, match="seed"):
         runtime.seeds(-1)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(TypeError, match="seed"):
         runtime.seeds(1.0)
 
 

@@ -1,11 +1,11 @@
 """optbook: the package behind *Optimizers, Derived*.
 
-Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
+Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.polar`, :mod:`optbook.qk_clip`,
 :mod:`optbook.clipping`, :mod:`optbook.contract` (the step contract every class follows), :mod:`optbook.distributed`, :mod:`optbook.precision`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
 :mod:`optbook.runtime`, :mod:`optbook.testing`, :mod:`optbook.bench`, :mod:`optbook.kernels`, :mod:`optbook.memory`.
 
-Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.newton_schulz`, :mod:`optbook.qk_clip`,
+Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.polar`, :mod:`optbook.qk_clip`,
 :mod:`optbook.precision`) is imported eagerly. The other submodules are imported on first attribute access
 (``optbook.plotting``, ``optbook.data``, ...; PEP 562 module ``__getattr__``), so ``import optbook.optim`` needs
 torch only: no matplotlib, no scikit-learn.
@@ -14,12 +14,13 @@ torch only: no matplotlib, no scikit-learn.
 import importlib
 
 from . import optim, precision
-from .newton_schulz import newton_schulz, ns_schedule, polar_express_coefficients, polar_factor
+from .polar import newton_schulz, ns_schedule, polar_express_coefficients, polar_factor
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
 __all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
-           "newton_schulz", "ns_schedule", "optim", "plotting", "polar_express_coefficients", "polar_factor", "precision", "qk_clip_",
+           "newton_schulz", "ns_schedule", "optim", "plotting", "polar", "polar_express_coefficients", "polar_factor",
+           "precision", "qk_clip_",
            "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).

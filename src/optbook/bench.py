@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import gram_backend, gram_xxt
-from .newton_schulz import ALGORITHMS, GRAM_RESTARTS, check_restarts, newton_schulz, ns_schedule
+from .polar import ALGORITHMS, GRAM_RESTARTS, check_restarts, newton_schulz, ns_schedule
+from ._checks import check_int
 
 __all__ = ["NSOverhead", "main", "ns_flops", "ns_overhead", "orthogonality_error", "run_benchmark",
            "transformer_muon_shapes"]
@@ -105,8 +106,7 @@ def transformer_muon_shapes(width: int, depth: int, mlp_ratio: float = 4.0) -> l
         ValueError: ``width``, ``depth`` not ints >= 1, or ``mlp_ratio * width`` below 1.
     """
     for name, value in (("width", width), ("depth", depth)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     hidden = round(mlp_ratio * width)
     if hidden < 1:
         raise ValueError(f"Invalid mlp_ratio: mlp_ratio * width must round to >= 1, got {mlp_ratio!r}")
@@ -166,8 +166,7 @@ def ns_overhead(width: int, depth: int, batch_tokens: int, dp: int = 1, *, shard
         ValueError: a size argument that is not an int >= 1 (``vocab_size`` may be 0), naming it.
     """
     for name, value, low in (("batch_tokens", batch_tokens, 1), ("dp", dp, 1), ("vocab_size", vocab_size, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value!r}")
+        check_int(name, value, low)
     shapes = transformer_muon_shapes(width, depth, mlp_ratio)
     muon_params = sum(m * n for m, n in shapes)
     params = muon_params + vocab_size * width
@@ -300,8 +299,7 @@ def run_benchmark(shapes: Sequence[tuple[int, int]], dtypes: Sequence[str], batc
     if bad:
         raise ValueError(f"Invalid dtypes: {bad} not in {sorted(_DTYPES)}")
     for name, value in (("batch", batch), ("repeat", repeat)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     bad = [name for name in paths if name not in _PATHS]
     if bad or not paths:
         raise ValueError(f"Invalid paths: expected a non-empty subset of {list(_PATHS)}, got {list(paths)}")

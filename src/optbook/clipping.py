@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from .optim._validation import check_bool, check_number
+from ._checks import check_bool, check_number
 
 __all__ = ["REPLICATED", "clip_coefficient", "clip_grad_norm_", "get_grad_norm", "grad_sumsq", "scale_grads_"]
 

@@ -76,6 +76,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._checks import check_params
+
 __all__ = [
     "COLUMNS",
     "CONTRACT",
@@ -224,10 +226,8 @@ def checked_param_groups(optimizer_class, params, defaults: dict) -> tuple[list[
 
     Raises:
         TypeError, ValueError: what ``optimizer_class`` raises; a parameter listed twice in a group
-            (:func:`optbook.optim._validation.check_params`).
+            (:func:`optbook._checks.check_params`).
     """
-    from .optim._validation import check_params   # optbook.optim imports this module
-
     template = optimizer_class(params, **defaults)
     for group in template.param_groups:   # torch.optim only warns about a parameter listed twice in a group
         check_params(group["params"])

@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits as _sk_load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
-from .optim._validation import check_int
+from ._checks import check_int
 
 __all__ = ["Digits", "load_digits", "Quadratic", "ill_conditioned_quadratic", "IGNORE_INDEX", "copy_task",
            "associative_recall", "markov_chain", "sample_markov", "markov_entropy"]

@@ -40,7 +40,7 @@ import torch
 from .contract import (NonFiniteGradientError, VersionTracker, checked_param_groups, closure_loss,
                        elementwise, register_owner)
 from .optim import SGD, Adam, AdamW, Lion, Muon
-from .optim._validation import check_grad, check_int as _check_int, check_number
+from ._checks import FLOATS, LOW_PRECISION, check_dtype, check_grad, check_int as _check_int, check_number
 from .optim.optimizer import BookOptimizer, all_finite
 from .precision import check_optimizer_state_dict, take_up_
 
@@ -77,22 +77,10 @@ def state_tensors(optimizer_class) -> int:
 
 
 SHARDINGS = ("none", "zero1", "layerwise")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
-
-
-def _check_dtype(name: str, value, allowed=_FLOATS, none_ok: bool = False):
-    if value is None and none_ok:
-        return None
-    if not isinstance(value, torch.dtype) or value not in allowed:
-        names = ", ".join(str(d) for d in allowed)
-        prefix = "None or " if none_ok else ""
-        raise TypeError(f"Invalid {name}: expected {prefix}one of {names}, got {value!r}")
-    return value
 
 
 # --- prediction -------------------------------------------------------------------------------------------
@@ -179,12 +167,12 @@ class MemoryConfig:
                              "matrices); use sharding='layerwise' (Megatron-LM rewrites "
                              "--use-distributed-optimizer with Muon to its layer-wise optimizer)")
         _check_int("dp", self.dp, 1)
-        _check_dtype("param_dtype", self.param_dtype)
-        _check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
-        _check_dtype("state_dtype", self.state_dtype, none_ok=True)
+        check_dtype("param_dtype", self.param_dtype)
+        check_dtype("grad_dtype", self.grad_dtype, none_ok=True)
+        check_dtype("state_dtype", self.state_dtype, none_ok=True)
         if self.master_weights is not None and not isinstance(self.master_weights, bool):
             raise TypeError(f"Invalid master_weights: expected None or a bool, got {self.master_weights!r}")
-        if self.master_weights and self.param_dtype not in _LOW_PRECISION:
+        if self.master_weights and self.param_dtype not in LOW_PRECISION:
             raise ValueError(f"Invalid master_weights: a {self.param_dtype} parameter is its own master; "
                              "masters exist for float16/bfloat16 parameters")
         check_number("adamw_fraction", self.adamw_fraction, low=0.0, high=1.0)
@@ -200,13 +188,13 @@ class MemoryConfig:
 
     @property
     def masters(self) -> bool:
-        return self.param_dtype in _LOW_PRECISION if self.master_weights is None else self.master_weights
+        return self.param_dtype in LOW_PRECISION if self.master_weights is None else self.master_weights
 
     @property
     def grad(self) -> torch.dtype:
         if self.grad_dtype is not None:
             return self.grad_dtype
-        return torch.float32 if self.param_dtype in _LOW_PRECISION else self.param_dtype
+        return torch.float32 if self.param_dtype in LOW_PRECISION else self.param_dtype
 
     @property
     def state(self) -> torch.dtype:
@@ -576,7 +564,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p in self._params:
                 off = moved < threshold
                 self.offloaded.append(off)
-                low = p.dtype in _LOW_PRECISION
+                low = p.dtype in LOW_PRECISION
                 if off:
                     moved += p.numel()
                     pin = p.is_cuda and host.type == "cpu"

@@ -50,17 +50,14 @@ from collections import OrderedDict
 import torch
 
 from .contract import NonFiniteGradientError, VersionTracker, closure_loss, elementwise, owner_of, register_owner
-from .optim._validation import check_bool, check_grad, check_number, check_params
-from .optim._validation import check_int as _check_int
+from ._checks import LOW_PRECISION, check_bool, check_grad, check_number, check_params
+from ._checks import check_int as _check_int
 from .optim._sharded import is_dtensor
 from .optim.optimizer import BookOptimizer, all_finite, check_hyperparameters
 
 __all__ = ["ConstantLossScaler", "DynamicLossScaler", "MixedPrecisionOptimizer", "check_float16_scaled",
            "check_loss_scaler", "check_optimizer_state_dict", "loss_scale_of", "scaled_loss", "take_up_",
            "unscale_grads_"]
-
-#: Model parameter dtypes that get a float32 master copy.
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 #: The largest finite float32, ``(2 - 2**-23) * 2**127``: the largest loss scale. The scaled loss and the
 #: scale itself are float32 (``torch.amp.GradScaler`` keeps its scale in a float32 tensor; Megatron-LM too),
@@ -260,9 +257,7 @@ class DynamicLossScaler:
         scale = state_dict["scale"]
         scale = _check_scale("state_dict['scale']", float(scale) if isinstance(scale, torch.Tensor) else scale)
         growth = _check_int("state_dict['growth_tracker']", state_dict["growth_tracker"], 0)
-        hyst = state_dict["hysteresis_tracker"]
-        if isinstance(hyst, bool) or not isinstance(hyst, int):
-            raise TypeError(f"Invalid state_dict['hysteresis_tracker']: expected an int, got {hyst!r}")
+        hyst = _check_int("state_dict['hysteresis_tracker']", state_dict["hysteresis_tracker"], -(2**63))
         self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hyst
 
     def __repr__(self) -> str:
@@ -351,7 +346,7 @@ def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
     """
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         raise TypeError(f"Invalid loss: expected a floating-point tensor, got {loss!r}")
-    if loss.dtype in _LOW_PRECISION:
+    if loss.dtype in LOW_PRECISION:
         loss = loss.float()
     return loss * scale
 
@@ -672,7 +667,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         out = []
         for p in params:
             self._model_params.append(p)
-            if p.dtype in _LOW_PRECISION and p.requires_grad:
+            if p.dtype in LOW_PRECISION and p.requires_grad:
                 master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
                 self._pairs.append((p, master))
                 out.append(master)

@@ -43,6 +43,7 @@ from torch import nn
 
 from .contract import scale_weights_
 from .models.heads import attention_modules
+from ._checks import check_int
 
 __all__ = ["clipped_heads", "qk_clip_", "qk_clip_factors"]
 
@@ -247,8 +248,7 @@ def clipped_heads(report: list[dict], n_layers: int, n_heads: int, *, triggered:
             ``layer`` and ``head`` and a ``gamma``, or outside ``(n_layers, n_heads)``; a head named twice.
     """
     for name, value in (("n_layers", n_layers), ("n_heads", n_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: expected an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     mask, seen = torch.zeros(n_layers, n_heads, dtype=torch.bool), set()
     for record in report:
         try:

@@ -28,6 +28,7 @@ import random
 
 import numpy as np
 import torch
+from ._checks import check_int
 
 __all__ = ["seed_everything", "seed_offset", "seeds", "generator", "default_device", "glue"]
 
@@ -55,8 +56,7 @@ def seeds(*base: int) -> tuple[int, ...]:
         ValueError: a seed is not a non-negative int.
     """
     for s in base:
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"Invalid seed: expected a non-negative int, got {s!r}")
+        check_int("seed", s, 0)
     offset = seed_offset()
     return tuple(s + offset for s in base)
 
@@ -81,8 +81,7 @@ def seed_everything(seed: int = 0, *, num_threads: int | None = 2) -> torch.Gene
     Raises:
         ValueError: ``seed`` is negative or ``num_threads < 1``.
     """
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"Invalid seed: expected a non-negative int, got {seed!r}")
+    check_int("seed", seed, 0)
     if num_threads is not None:
         if num_threads < 1:
             raise ValueError(f"Invalid num_threads: expected >= 1 or None, got {num_threads!r}")

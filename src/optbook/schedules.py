@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ._checks import check_int
 
 __all__ = ["LRSchedule", "WeightDecaySchedule", "SampleScheduler", "STYLES", "WSD_DECAY_STYLES"]
 
@@ -27,9 +28,7 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 def _count(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Invalid {name}: expected an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(name, value, minimum)
 
 
 def _decay_coeff(style: str, ratio: float) -> float:
@@ -93,6 +92,8 @@ class LRSchedule:
             if self.wsd_decay_style not in WSD_DECAY_STYLES:
                 raise ValueError(f"Invalid wsd_decay_style: expected one of {WSD_DECAY_STYLES}, "
                                  f"got {self.wsd_decay_style!r}")
+            if self.wsd_decay is None:
+                raise ValueError("Invalid wsd_decay: style='wsd' needs wsd_decay, the length of the final decay")
             _count("wsd_decay", self.wsd_decay, 1)
             if self.wsd_decay > self.total - self.warmup:
                 raise ValueError(f"Invalid wsd_decay: {self.wsd_decay} does not fit after the warmup "

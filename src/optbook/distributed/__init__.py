@@ -20,7 +20,7 @@ processes.
 from .chain import DistributedChain
 from .distributed_muon import DistributedMuon, zero1_comm_bytes
 from .fsdp2 import FSDP2Muon
-from .launch import init_from_env, launch
+from .launcher import init_from_env, launch
 from .layerwise_muon import LayerWiseMuon, lpt_assign, ns_cost, rank_loads, round_robin_assign
 from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 from .zero1 import DistributedOptimizer, shard_layout

@@ -13,15 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..contract import NonFiniteGradientError
-from ..optim._validation import check_int
+from .._checks import LOW_PRECISION, check_int
 from ..optim.optimizer import all_finite, nonfinite_checked_by_caller
 
 __all__ = ["LOW_PRECISION", "agree", "all_gather", "check_int", "check_same_params", "first_nonfinite",
            "global_rank", "group_info", "group_position", "param_name", "params_difference", "raise_nonfinite_across",
            "reduce_scatter", "validate_locally", "validate_on_every_rank"]
-
-#: Parameter dtypes that get float32 masters and float32 gradient buffers.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
 #: ``all_gather(output, input, group=)``: every rank's ``input`` concatenated into ``output``.

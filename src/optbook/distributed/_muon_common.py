@@ -12,16 +12,16 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..optim import muon
+from ..optim.functional import muon
 from ..optim.muon import orthogonalized_blocks
-from ..optim._validation import check_int, check_number
+from .._checks import check_int, check_number
 from ..optim.optimizer import BookOptimizer, check_hyperparameters
 from ._comm import global_rank, params_difference
 
 __all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate", "consolidated_state", "hyper",
            "nbytes", "scaled_orthogonal", "shard_parts"]
 
-#: The hyperparameters the functional core :func:`optbook.optim.muon` takes from a param group.
+#: The hyperparameters the functional core :func:`optbook.optim.functional.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
 
 
@@ -163,7 +163,7 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
 
 def scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """``scale * NS(D)`` for each full matrix ``D``: Muon's update, by the function the single-process
-    :func:`optbook.optim.muon` subtracts (:func:`optbook.optim.orthogonalized_blocks`: rescaling, head
+    :func:`optbook.optim.functional.muon` subtracts (:func:`optbook.optim.orthogonalized_blocks`: rescaling, head
     split, batching, Newton–Schulz schedule and scale are Muon's; nothing is re-implemented). A matrix cut
     into several row blocks (``head_split``) is concatenated; otherwise the update may be a view (the
     transpose of a batch entry), not contiguous."""

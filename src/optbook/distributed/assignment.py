@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from ..optim._validation import check_int
+from .._checks import check_int
 from ..optim.muon import split_rows
 
 __all__ = ["lpt_assign", "ns_cost", "rank_loads", "round_robin_assign"]
@@ -93,7 +93,8 @@ def rank_loads(costs, owners, world_size: int) -> list:
         raise ValueError(f"Invalid owners: {len(owners)} owners for {len(costs)} costs")
     loads = [0] * world_size
     for c, r in zip(costs, owners):
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+        check_int("owners[i]", r, 0)
+        if r >= world_size:
             raise ValueError(f"Invalid owners: {r!r} is not a rank in 0 .. {world_size - 1}")
         loads[r] += c
     return loads

@@ -237,7 +237,7 @@ def run(argv=None) -> list[dict]:
         What :func:`train` returned: on every rank of this process under torchrun (one entry), for every
         rank with ``--nproc N`` (N entries, rank order), or for the single process.
     """
-    from .launch import free_port, init_from_env, launch
+    from .launcher import free_port, init_from_env, launch
 
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

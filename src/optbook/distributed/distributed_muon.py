@@ -75,7 +75,7 @@ class DistributedMuon(Muon):
         M_r <- lerp(M_r, c g_r, 1 - mu); D_r (Nesterov)          momentum on the shard only (c: the clip)
         D = gather(D_r in gather_dtype)                          the full matrices with a piece here
                                                                   ("all": every matrix, an all-gather)
-        O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.muon's arithmetic
+        O = scale * NS(D) per matrix with a piece on this rank   optbook.optim.functional.muon's arithmetic
         W_r <- W_r (1 - lr wd) - lr O_r                          keep the local part of the update
         W = all_gather(W_r)                                      as ZeRO-1
 

@@ -12,7 +12,7 @@ moves whole matrices, in batches of ``d`` matrices exchanged by all-to-all, each
 2. the direction's rows gathered to the matrix's owner (``torch.distributed.gather``, rows padded to the
    largest shard); owners chosen once by LPT on the Newton–Schulz cost ``max(m, n) min(m, n)^2``
    (:func:`optbook.distributed.lpt_assign`, chapter 14);
-3. the owner orthogonalises each of its matrices once per step (:func:`optbook.optim.muon`'s own arithmetic:
+3. the owner orthogonalises each of its matrices once per step (:func:`optbook.optim.functional.muon`'s own arithmetic:
    head split, schedule, scale) and scatters each rank its rows of the update
    (``torch.distributed.scatter``);
 4. every rank applies its rows: ``W_r <- W_r (1 - lr wd) - lr U_r``, Muon's update line.

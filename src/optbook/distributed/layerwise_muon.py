@@ -8,7 +8,7 @@ boundaries) cannot step Muon shard by shard. Two ways out:
   longest-processing-time-first bin packing (:func:`lpt_assign`) on the Newton–Schulz cost
   ``max(m, n) * min(m, n)**2`` (:func:`ns_cost`). The gradients are averaged over the ranks (one
   all-reduce, as ``DistributedDataParallel``); the owner of a matrix keeps its momentum and runs the Muon
-  step on it (the functional core :func:`optbook.optim.muon`); the updated matrices are all-gathered so
+  step on it (the functional core :func:`optbook.optim.functional.muon`); the updated matrices are all-gathered so
   every rank holds the same parameters. This is Megatron-LM's ``LayerWiseDistributedOptimizer``
   (``megatron/core/optimizer/layer_wise_optimizer.py``, core_v0.16.0: gradients all-reduced, parameters
   all-gathered with variable sizes; its owners are assigned by element count, ping-pong over the ranks in
@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
 from ..contract import VersionTracker, closure_loss, register_owner
-from ..optim import Muon, muon
+from ..optim import Muon
+from ..optim.functional import muon
 from ..precision import take_up_
 from ._comm import (
     LOW_PRECISION,
@@ -126,7 +127,7 @@ class LayerWiseMuon(Muon):
           inf/NaN in g: every rank raises, naming the parameter
         step_with_ready_grads(c):
           g <- c g  (c: the clip coefficient)                   replicated: no further communication
-          owner of W:  M, W32 <- Muon(W32, M, g_W)             optbook.optim.muon on the owned masters
+          owner of W:  M, W32 <- Muon(W32, M, g_W)             optbook.optim.functional.muon on the owned masters
           W <- W32 rounded (bfloat16 only)
           all_gather(owned matrices, padded to the largest rank) every rank gets every W
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..runtime import generator
 from ._zero1_layout import shard_layout
+from .._checks import check_int
 
 __all__ = ["MODES", "overlap_forward", "overlap_model"]
 
@@ -56,8 +57,7 @@ def overlap_model(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential
 def _check_args(layers, width, batch, repeats, seed) -> None:
     for name, value, low in (("layers", layers, 2), ("width", width, 1), ("batch", batch, 1),
                              ("repeats", repeats, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value!r}")
+        check_int(name, value, low)
 
 
 def overlap_forward(rank: int, world_size: int, *, layers: int = 6, width: int = 512, batch: int = 512,

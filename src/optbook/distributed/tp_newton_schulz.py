@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..newton_schulz import newton_schulz, ns_schedule
+from ..polar import newton_schulz, ns_schedule
 from ._comm import all_gather
 
 __all__ = ["TP_MODES", "tensor_parallel_newton_schulz"]

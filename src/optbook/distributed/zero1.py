@@ -50,7 +50,7 @@ import torch.distributed as dist
 from .. import contract
 from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
-from ..optim._validation import check_grad, check_number
+from .._checks import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
 from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_
 from ._comm import (

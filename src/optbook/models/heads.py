@@ -28,6 +28,7 @@ latent attention with a decoupled, shared rotary key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from .._checks import check_int
 
 __all__ = ["HeadLayout", "HeadRows", "ROLES", "attention_modules"]
 
@@ -35,8 +36,7 @@ ROLES = ("query", "key", "value", "rotary_query", "rotary_key", "latent")
 
 
 def _check_count(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value!r}")
+    check_int(name, value, low)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .heads import HeadLayout
+from .._checks import check_int
 
 __all__ = ["CausalSelfAttention", "MultiHeadLatentAttention", "TinyTransformer"]
 
@@ -147,8 +148,7 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"Invalid MLA shape: n_heads={n_heads} must divide d_model={d_model} and d_rope={d_rope} "
                              "must be even")
         kv_rank = d_model // 2 if kv_rank is None else kv_rank
-        if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or kv_rank < 1:
-            raise ValueError(f"Invalid kv_rank: expected an int >= 1, got {kv_rank!r}")
+        check_int("kv_rank", kv_rank, 1)
         self.head_layout = HeadLayout.latent(n_heads, d_model // n_heads, d_rope, kv_rank)
         self.q_c_proj = nn.Linear(d_model, d_model, bias=False)
         self.q_r_proj = nn.Linear(d_model, n_heads * d_rope, bias=False)

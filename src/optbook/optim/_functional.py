@@ -1,7 +1,7 @@
 """Pieces of math that several optimizers of :mod:`optbook.optim` share, written once.
 
 ``momentum_directions`` is the EMA (lerp) momentum with the optional Nesterov look-ahead of chapter 1,
-used by :func:`optbook.optim.sgd` and :func:`optbook.optim.muon`; ``use_foreach`` is the rule that picks
+used by :func:`optbook.optim.functional.sgd` and :func:`optbook.optim.functional.muon`; ``use_foreach`` is the rule that picks
 the ``torch._foreach_*`` path, used by :class:`~optbook.optim.SGD` and :class:`~optbook.optim.Adam`;
 ``in_float32``/``write_back`` compute the update of a float16/bfloat16 parameter in float32 and round
 it into the parameter (and its state) once, as mixed-precision training keeps master weights in
@@ -12,6 +12,8 @@ float32 (Micikevicius et al. 2018, arXiv:1710.03740): a quantity such as Adam's
 from __future__ import annotations
 
 import torch
+
+from .._checks import LOW_PRECISION
 
 __all__ = ["LOW_PRECISION", "in_float32", "momentum_directions", "use_foreach", "write_back"]
 
@@ -57,9 +59,6 @@ def use_foreach(foreach: bool | None, params: list[torch.Tensor]) -> bool:
         return bool(params) and all(p.is_cuda for p in params)
     return foreach
 
-
-#: Parameter dtypes whose update is computed in float32 and written back once.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def in_float32(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import in_float32, write_back
-from ._validation import check_lr, check_number, check_weight_decay
+from .._checks import check_lr, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Adafactor", "adafactor"]

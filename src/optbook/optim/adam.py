@@ -34,7 +34,7 @@ import torch
 from ._blocks import GRAIN, for_blocks, usable
 from ._functional import LOW_PRECISION, in_float32, use_foreach, write_back
 from ._sharded import local
-from ._validation import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
+from .._checks import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Adam", "AdamW", "adam"]

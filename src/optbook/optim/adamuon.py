@@ -31,7 +31,7 @@ import math
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
-from ._validation import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
+from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .muon import muon_scale
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer

@@ -1,6 +1,6 @@
 """A compiled Adam/AdamW step: the update captured once by ``torch.compile``. Explained in chapter 15.
 
-Why a separate path. :func:`optbook.optim.adam` takes the step count ``t`` as a Python ``int`` and
+Why a separate path. :func:`optbook.optim.functional.adam` takes the step count ``t`` as a Python ``int`` and
 ``lr`` as a Python ``float`` and folds them into Python scalars (``lr * c2 / c1``). Under
 ``torch.compile`` a Python number is at first a constant of the captured graph, guarded by value: a
 graph compiled at ``t = 1`` fails its guard at ``t = 2``. PyTorch 2.13's defaults then compile once more
@@ -13,7 +13,7 @@ that change from step to step as tensors avoids both, as ``torch.optim``'s ``cap
 a float64 tensor of step counts (one per parameter) and a 0-d float64 ``lr``. Their *values* are data,
 not constants, so one graph serves every step from the first.
 
-:func:`adam_tensor` is the same update as :func:`optbook.optim.adam` (AdamW's decoupled decay, or
+:func:`adam_tensor` is the same update as :func:`optbook.optim.functional.adam` (AdamW's decoupled decay, or
 Adam's L2; AMSGrad; maximize; float16/bfloat16 parameters computed in float32 and rounded back once),
 written with ``t`` and ``lr`` as tensors and no Python branch on their values. :func:`compiled_step`
 makes an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW` (also as a member of a chain,
@@ -108,18 +108,18 @@ def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                 max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
     """One Adam/AdamW step in place with the step counts and ``lr`` as tensors (capturable).
 
-    The lines of :func:`optbook.optim.adam` (module docstring of :mod:`optbook.optim.adam`):
+    The lines of :func:`optbook.optim.functional.adam` (module docstring of :mod:`optbook.optim.adam`):
     :func:`adam_scalars` then :func:`adam_elementwise`. Call it under ``torch.no_grad()`` (it writes into
     parameters); ``torch.compile(adam_tensor)`` captures it once for every step count and ``lr``.
 
     Args:
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: as in :func:`optbook.optim.adam`.
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: as in :func:`optbook.optim.functional.adam`.
         steps: float64 tensor of shape ``(len(params),)``: each parameter's step number ``t >= 1``.
         lr: 0-d (or one-element) float64 tensor, the learning rate.
         beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize: as in
-            :func:`optbook.optim.adam` (Python numbers: constants of a compiled graph).
+            :func:`optbook.optim.functional.adam` (Python numbers: constants of a compiled graph).
 
-    The result equals :func:`optbook.optim.adam`'s to float rounding, not bitwise: a compiler may
+    The result equals :func:`optbook.optim.functional.adam`'s to float rounding, not bitwise: a compiler may
     reassociate, and ``beta**t`` is ``torch.pow`` here, Python's ``**`` there.
     """
     scalars = adam_scalars(steps, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
@@ -249,7 +249,7 @@ def compiled_step(optimizer, **compile_options) -> CompiledStep:
 
 class CompiledMuonStep:
     """``step(closure=None)`` of a :class:`~optbook.optim.Muon` whose arithmetic runs through a compiled
-    :func:`optbook.optim.muon` (momentum, the batched Newton–Schulz calls, the scaled update).
+    :func:`optbook.optim.functional.muon` (momentum, the batched Newton–Schulz calls, the scaled update).
 
     Made by :func:`compiled_muon_step`, which installs the compiled kernel on the optimizer
     (``optimizer.compiled_kernel``): calling this object is calling ``optimizer.step``, so the optimizer's
@@ -280,7 +280,7 @@ def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
             step()                  # first call compiles; later calls reuse the graph
             opt.zero_grad()
 
-    What is compiled is :func:`optbook.optim.muon` itself: the momentum lerps, the stacking of equal
+    What is compiled is :func:`optbook.optim.functional.muon` itself: the momentum lerps, the stacking of equal
     shapes, each batched :func:`optbook.newton_schulz` call and the scaled update, with ``lr`` passed as
     a 0-d float32 tensor (a Python float would be a constant of the graph at first: one recompile when it
     first changes, and one per learning rate under CUDA graphs; see the module's docstring). What still

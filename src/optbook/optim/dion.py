@@ -39,9 +39,9 @@ import math
 
 import torch
 
-from ..newton_schulz import polar_factor
+from ..polar import polar_factor
 from ._functional import LOW_PRECISION, in_float32, write_back
-from ._validation import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
+from .._checks import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
 

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..newton_schulz import PRECONDITIONERS, newton_schulz, ns_schedule
+from ..polar import PRECONDITIONERS, newton_schulz, ns_schedule
 from ._functional import momentum_directions
-from ._validation import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
+from .._checks import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Muon", "SCALE_MODES", "TURBO_SCHEDULE", "muon", "muon_scale", "split_rows"]

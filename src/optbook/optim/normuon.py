@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from ..newton_schulz import newton_schulz, ns_schedule
+from ..polar import newton_schulz, ns_schedule
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
-from ._validation import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import NS_DTYPES, exact_rescale, muon_scale
 from .optimizer import BookOptimizer
 
@@ -43,7 +43,7 @@ MATRIX_ROUTE = "route embeddings, norms, biases and other tensors to AdamW, e.g.
 
 def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: torch.dtype) -> torch.Tensor:
     """Muon's orthogonalisation of one direction: :func:`optbook.newton_schulz` of ``D`` after the exact
-    power-of-two rescale (:func:`optbook.optim.muon.exact_rescale`), as :func:`optbook.optim.muon` does.
+    power-of-two rescale (:func:`optbook.optim.muon.exact_rescale`), as :func:`optbook.optim.functional.muon` does.
 
     Args:
         D: ``(m, n)`` real floating tensor.

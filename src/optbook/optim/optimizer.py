@@ -43,7 +43,7 @@ import torch
 from ..contract import NonFiniteGradientError, closure_loss
 from . import _sharded
 from ._blocks import GRAIN, for_blocks, usable
-from ._validation import check_grad, check_matrices, check_params
+from .._checks import check_grad, check_matrices, check_params
 
 
 def check_state_layout(param_groups: list[dict], state_dict) -> None:

@@ -129,7 +129,7 @@ def weight_decay_param_groups(model: nn.Module, weight_decay: float, *, decay_em
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: ``weight_decay`` is negative or not finite.
     """
-    from ._validation import check_weight_decay
+    from .._checks import check_weight_decay
 
     check_weight_decay(weight_decay)
     no_decay = set(NO_DECAY_ROLES) | (set() if decay_embeddings else {"embedding"})

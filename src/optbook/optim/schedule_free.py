@@ -30,7 +30,7 @@ import torch
 
 from ._functional import LOW_PRECISION, in_float32, write_back
 from ._sharded import local
-from ._validation import (
+from .._checks import (
     check_betas,
     check_bool,
     check_eps,

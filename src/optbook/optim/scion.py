@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
-from ._validation import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import muon_scale
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer

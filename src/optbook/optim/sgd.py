@@ -25,7 +25,7 @@ import torch
 
 from ._functional import LOW_PRECISION, in_float32, momentum_directions, use_foreach, write_back
 from ._sharded import local
-from ._validation import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
+from .._checks import check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["SGD", "sgd"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import MATRIX_HINT, check_lr, check_number, check_precondition_frequency, check_weight_decay
+from .._checks import MATRIX_HINT, check_lr, check_number, check_precondition_frequency, check_weight_decay
 from ._functional import LOW_PRECISION
 from .optimizer import BookOptimizer, check_statistics_range
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import (MATRIX_HINT, check_betas, check_eps, check_lr, check_number, check_precondition_frequency,
+from .._checks import (MATRIX_HINT, check_betas, check_eps, check_lr, check_number, check_precondition_frequency,
                           check_weight_decay)
 from ._functional import in_float32, write_back
 from .optimizer import BookOptimizer, check_statistics_range

@@ -27,6 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from .._checks import check_int
 
 __all__ = ["free_port", "init_from_env", "launch"]
 
@@ -212,8 +213,7 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 6
             All workers are stopped first.
     """
     _check_importable(fn)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"Invalid world_size: expected an int >= 1, got {world_size!r}")
+    check_int("world_size", world_size, 1)
     backend = _check_backend(backend)
     timeout = _check_timeout(timeout)
     if backend == "nccl" and not torch.cuda.is_available():

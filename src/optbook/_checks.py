@@ -1,6 +1,6 @@
-"""Argument checks shared by every optimizer in :mod:`optbook.optim`.
+"""Argument checks shared by the whole package: the ground floor that every other module may import.
 
-Each check raises before anything is changed, with a message that names the argument and what was
+It imports nothing of :mod:`optbook`. Each check raises before anything is changed, with a message that names the argument and what was
 expected. Optimizers call the hyperparameter checks in ``__init__`` *and* again at the start of
 ``step()`` for every group (a scheduler or a user may have edited ``param_groups`` since), and the
 tensor checks for every parameter before the first tensor is touched, so a failed ``step()`` leaves
@@ -22,6 +22,13 @@ def _is_real_number(value) -> bool:
         return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, (int, float))
 
+
+#: Parameter dtypes whose update is computed in float32 and written back once (and whose wrappers keep
+#: float32 masters). The one definition of "low precision" in the package.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+#: The floating-point dtypes a parameter, a master copy or optimizer state may have.
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -60,6 +67,23 @@ def check_int(name: str, value, low: int) -> int:
         raise ValueError(f"Invalid {name}: expected an int >= {low}, got {value}")
     if value > _INT64_MAX:
         raise ValueError(f"Invalid {name}: {value} does not fit a 64-bit integer")
+    return value
+
+
+def check_dtype(name: str, value, allowed: tuple = FLOATS, *, none_ok: bool = False):
+    """``value`` must be one of the ``torch.dtype`` values in ``allowed`` (or ``None`` when ``none_ok``).
+
+    Raises:
+        TypeError: ``value`` is not a ``torch.dtype`` (a string such as ``"bfloat16"`` included).
+        ValueError: a dtype outside ``allowed``; the message names ``name`` and lists ``allowed``.
+    """
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"Invalid {name}: expected a torch.dtype, got {value!r} ({type(value).__name__})")
+    if value not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"Invalid {name}: expected one of {names}, got {str(value).replace('torch.', '')}")
     return value
 
 
@@ -123,9 +147,7 @@ def check_foreach(foreach) -> bool | None:
 
 def check_precondition_frequency(f) -> int:
     """``precondition_frequency`` must be an int >= 1 (Shampoo and SOAP)."""
-    if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-        raise ValueError(f"Invalid precondition_frequency: expected an int >= 1, got {f!r}")
-    return f
+    return check_int("precondition_frequency", f, 1)
 
 
 def check_matrices(params: Iterable, optimizer: str, hint: str) -> None:

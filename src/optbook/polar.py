@@ -20,6 +20,7 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+from ._checks import check_int
 
 __all__ = ["ALGORITHMS", "COEFFICIENTS", "GRAM_RESTARTS", "PRECONDITIONERS", "check_restarts", "newton_schulz",
            "ns_schedule", "optimal_odd_quintic", "polar_express_band", "polar_express_coefficients", "polar_factor"]
@@ -83,8 +84,7 @@ def ns_schedule(coefficients: str | Sequence[Sequence[float]] = "simple", steps:
         ValueError: unknown name, ``steps < 1`` or not an int, a triple that is not 3 finite numbers,
             ``"deepseek_v4"`` with ``steps != 10``.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Invalid steps: expected an int >= 1, got {steps!r}")
+    check_int("steps", steps, 1)
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(f"Invalid coefficients: unknown schedule {coefficients!r}; expected one of "
@@ -166,9 +166,8 @@ def check_restarts(restarts) -> frozenset[int]:
         values = tuple(restarts)
     except TypeError:
         raise ValueError(f"Invalid restarts: expected a sequence of step indices >= 1, got {restarts!r}") from None
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in values):
-        raise ValueError(f"Invalid restarts: expected step indices (ints >= 1; step 0 starts from X itself), "
-                         f"got {restarts!r}")
+    for k, r in enumerate(values):   # step 0 starts from X itself
+        check_int(f"restarts[{k}]", r, 1)
     return frozenset(values)
 
 
@@ -464,8 +463,7 @@ def optimal_odd_quintic(lower: float, upper: float, max_iters: int = 100) -> tup
 
 
 def _polar_express(steps, lower_bound, safety, cushion):
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Invalid steps: expected an int >= 1, got {steps!r}")
+    check_int("steps", steps, 1)
     if not (isinstance(lower_bound, (int, float)) and 0 < lower_bound <= 1):
         raise ValueError(f"Invalid lower_bound: expected a number in (0, 1], got {lower_bound!r}")
     if not (isinstance(safety, (int, float)) and math.isfinite(safety) and safety >= 1):
