@@ -10,6 +10,8 @@ never batches two of them together on one side and not on the other.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -104,8 +106,8 @@ def layerwise_bfloat16(rank: int, world_size: int) -> dict:
         out["equal"] = equal
         out["changed"], out["reference_changed"] = _changed(params, start), _changed(ref_params, start)
         masters = dict(zip([id(p) for p in ref_params], reference.master_params()))
-        out["masters_equal"] = bool(opt.master_params) and all(
-            torch.equal(m, masters[id(ref_params[i])]) for i, m in opt.master_params.items())
+        own = getattr(opt, "master_params", {})   # (none before LayerWiseMuon kept masters)
+        out["masters_equal"] = bool(own) and all(torch.equal(m, masters[id(ref_params[i])]) for i, m in own.items())
         opt.consolidate_state_dict(to=0)
         ckpt = opt.state_dict() if rank == 0 else None
         every = [None, None]
@@ -162,7 +164,8 @@ def chain_composition(rank: int, world_size: int) -> dict:
     """How DistributedChain drives its members, in float64.
 
     Returns ``{"member_writes": the attributes of the ZeRO-1 member written while the chain stepped (its
-    max_grad_norm among them, on the old code), "phases_equal": the members' public phases composed by hand
+    max_grad_norm among them, on the old code), "hook_calls": what a step pre and post hook saw over the
+    steps, "phases_equal": the members' public phases composed by hand
     (prepare, one clip, step) equal the chain bit for bit, "norm_equal": their norms equal,
     "fsdp2_refusal": the error of a chain given an FSDP2Muon}``."""
     torch.set_num_threads(1)
@@ -186,6 +189,9 @@ def chain_composition(rank: int, world_size: int) -> dict:
 
     pm, pv, muon, adamw = build(Watched)
     chain = DistributedChain(muon, adamw, max_grad_norm=0.5)
+    calls: list = []
+    chain.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    chain.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
     adamw._watching = True
     qm, qv, muon2, adamw2 = build(DistributedOptimizer)
     equal, norms = True, True
@@ -194,14 +200,22 @@ def chain_composition(rank: int, world_size: int) -> dict:
         _set(pm + pv, grads)
         chain.step()
         _set(qm + qv, grads)
-        sumsq = muon2.prepare_grads()
-        adamw2.prepare_grads()
-        norm = adamw2.clip_grads(0.5, extra_sumsq=sumsq)
-        adamw2.step_with_ready_grads()
-        muon2.step_with_ready_grads(clip_coefficient(norm, 0.5))
-        equal &= _equal(pm + pv, qm + qv)
+        members = (muon2, adamw2)
+        try:
+            found = [m.prepare_grads() for m in members]
+            norm = math.sqrt(sum(m.grad_sumsq() for m in members))
+            for m in members:
+                m.scale_grads(clip_coefficient(norm, 0.5))
+            for m in members:
+                m.step_with_ready_grads()
+            for m in members:
+                m.publish_weights()
+        except AttributeError:   # members without public phases
+            return {"member_writes": written, "phases_equal": False, "norm_equal": False, "hook_calls": calls,
+                    "fsdp2_refusal": _fsdp2_chain_refusal(adamw)}
+        equal &= found == [False, False] and _equal(pm + pv, qm + qv)
         norms &= norm == chain.last_grad_norm
-    out = {"member_writes": written, "phases_equal": equal, "norm_equal": norms}
+    out = {"member_writes": written, "phases_equal": equal, "norm_equal": norms, "hook_calls": calls}
     out["fsdp2_refusal"] = _fsdp2_chain_refusal(adamw)
     return out
 

@@ -41,6 +41,7 @@ def test_layerwise_muon_bfloat16_checkpoint_resumes_at_another_world_size_with_i
 
 
 def test_layerwise_muon_refuses_float16_naming_the_parameter(layerwise):
+    assert layerwise[0]["float16"] is not None, "a float16 LayerWiseMuon was accepted (no loss scaler, no masters)"
     kind, message = layerwise[0]["float16"]
     assert kind == "ValueError" and "parameter 0 (param_groups[0]['params'][0], shape (4, 4))" in message
     assert "float16" in message
@@ -63,6 +64,11 @@ def test_distributed_chain_leaves_its_members_attributes_alone(composition):
         assert rep["member_writes"] == []
 
 
+def test_distributed_chain_runs_torch_step_hooks(composition):
+    for rep in composition:
+        assert rep["hook_calls"] == ["pre", "post"] * 3
+
+
 def test_distributed_chain_is_its_members_public_phases(composition):
     for rep in composition:
         assert rep["phases_equal"] and rep["norm_equal"]
@@ -70,6 +76,7 @@ def test_distributed_chain_is_its_members_public_phases(composition):
 
 def test_distributed_chain_refuses_fsdp2_muon_naming_the_recipe_that_works(composition):
     for rep in composition:
+        assert rep["fsdp2_refusal"] is not None
         kind, message = rep["fsdp2_refusal"]
         assert kind == "TypeError" and "clip_grad_norm_" in message and "group=mesh.get_group()" in message
 

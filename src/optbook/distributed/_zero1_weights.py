@@ -88,9 +88,9 @@ class Zero1Weights:
 
     # --- publishing the weights, and an inner optimizer's modes ---------------------------------------------
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Round the float32 masters into the parameter shards, then all-gather every bucket (a collective):
-        every rank's parameters are then the optimizer's weights."""
+    def publish_weights(self) -> None:
+        """The step's last phase (a collective): round the float32 masters into the parameter shards (8), then
+        all-gather every bucket (9); every rank's parameters are then the optimizer's weights."""
         for b, master in self.master_shards.items():
             self._shard(self.param_buffers, b).copy_(master)
         for b in range(len(self.layout.buckets)):
@@ -118,5 +118,5 @@ class Zero1Weights:
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             if "train_mode" in inner:
                 outer["train_mode"] = inner["train_mode"]
-        self._publish()
+        self.publish_weights()
 

@@ -7,6 +7,9 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
+
 import torch
 
 from ..clipping import clip_coefficient
@@ -19,6 +22,10 @@ from .zero1 import DistributedOptimizer
 
 __all__ = ["DistributedChain"]
 
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
 
 class DistributedChain(torch.optim.Optimizer):
     """A :class:`LayerWiseMuon` (matrices) and a ZeRO-1 ``DistributedOptimizer`` (AdamW for the rest) as one
@@ -26,9 +33,8 @@ class DistributedChain(torch.optim.Optimizer):
 
     The norm is ``sqrt(S_muon + S_adamw)``: ``S_muon`` is the sum of squares of the all-reduced (replicated)
     Muon gradients, computed once on every rank with no further communication; ``S_adamw`` sums the
-    squares of each rank's ZeRO-1 shard over the group, in the same all-reduce
-    (``DistributedOptimizer.clip_grads(max_norm, extra_sumsq=S_muon)``, the phase
-    ``DistributedOptimizer.step(extra_grad_sumsq=S_muon)`` runs). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
+    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.grad_sumsq()``, one all-reduce,
+    the number ``DistributedOptimizer.step(extra_grad_sumsq=S_muon)`` adds ``S_muon`` to). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
     that of the gradients, not of the orthogonalised updates (whose norm is fixed by Newton–Schulz and would
     make clipping meaningless). Without ``max_grad_norm`` the norm is still computed (``last_grad_norm``).
 
@@ -38,7 +44,8 @@ class DistributedChain(torch.optim.Optimizer):
             ``max_grad_norm=None`` and no loss scaler.
         max_grad_norm: ``None`` or a number ``> 0``.
 
-    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both.
+    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both. The
+    step and state-dict hooks of ``torch.optim.Optimizer`` (``register_step_pre_hook``, ...) run as there.
     Checkpoints: :meth:`consolidate_state_dict` (a collective) then :meth:`state_dict` on the receiving rank
     gives ``{"muon": ..., "adamw": ..., "skipped_steps": ...}``; :meth:`load_state_dict` validates both
     members' dicts before either loads.
@@ -50,15 +57,14 @@ class DistributedChain(torch.optim.Optimizer):
     state dict)
     and ``last_grad_norm`` (the global norm before clipping, float).
 
-    Step order (a collective), through the members' public phases only (after Megatron-LM's
-    ``ChainedOptimizer``: every member's ``prepare_grads``, one clip, every member's ``step_with_ready_grads``;
-    ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0): ``muon.prepare_grads()`` validates and
-    all-reduces (nothing written; on bad input or inf/NaN every rank raises), ``adamw.prepare_grads()``
-    validates and reduce-scatters (if it raises, the Muon member drops its prepared gradients: nothing
-    written), ``adamw.clip_grads(max_grad_norm, extra_sumsq=S_muon)`` gives the global norm and clips the
-    shards, ``adamw.step_with_ready_grads()`` steps the shards and all-gathers, and
-    ``muon.step_with_ready_grads(coefficient)`` clips by the same coefficient, steps the owned matrices (their
-    float32 masters for bfloat16) and all-gathers. No member's attribute is changed while it steps.
+    Step order (a collective), through the members' public phases only (Megatron-LM's names, also ``optbook.wrapper``'s,
+    after Megatron-LM's ``ChainedOptimizer``: every member's ``prepare_grads``, one clip, every member's
+    ``step_with_ready_grads``; ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0): ``prepare_grads()`` of
+    the Muon member (validate, all-reduce; on bad input or inf/NaN every rank raises, nothing written), then of
+    the AdamW member (validate, reduce-scatter; if it raises, the Muon member drops its prepared gradients:
+    nothing written); ``grad_sumsq()`` of both (the global norm above); ``scale_grads(c)`` of both;
+    ``step_with_ready_grads()`` of both; ``publish_weights()`` of both (the all-gathers). No member's
+    configuration (``max_grad_norm``, loss scaler) is changed; each one's ``last_grad_norm`` reports the chain's.
     Parameters of any shape, 0-dim ones included, go to the AdamW member (Muon refuses all but 2-D).
 
     Precision: bfloat16 parameters get float32 masters in both members (ZeRO-1 keeps them for its shard,
@@ -103,8 +109,11 @@ class DistributedChain(torch.optim.Optimizer):
         self.found_inf, self.skipped_steps = False, 0
         self.defaults = {**adamw.defaults, **muon.defaults}
         self.state = {}  # the members keep their own (sharded) state
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
+        # torch.optim.Optimizer.__init__ is not called (the groups are the members'): its hook registries, and
+        # the class's step wrapped to run the step hooks, as that __init__ does
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -129,7 +138,7 @@ class DistributedChain(torch.optim.Optimizer):
         """
         loss = closure_loss(closure)
         try:   # every rank raises together on bad input or inf/NaN, nothing kept
-            muon_sumsq = self.muon.prepare_grads()
+            self.muon.prepare_grads()
         except NonFiniteGradientError as e:
             raise NonFiniteGradientError(f"DistributedChain (Muon member): {e}") from e
         try:
@@ -140,10 +149,16 @@ class DistributedChain(torch.optim.Optimizer):
         except BaseException:
             self.muon.discard_grads()
             raise
-        self.last_grad_norm = self.adamw.clip_grads(self.max_grad_norm, extra_sumsq=muon_sumsq)
-        self.muon.last_grad_norm = self.last_grad_norm
-        self.adamw.step_with_ready_grads()
-        self.muon.step_with_ready_grads(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
+        # one global norm over both members (one all-reduce: the AdamW member's shards; Muon's is replicated)
+        self.last_grad_norm = math.sqrt(self.muon.grad_sumsq() + self.adamw.grad_sumsq())
+        self.muon.last_grad_norm = self.adamw.last_grad_norm = self.last_grad_norm
+        coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        for member in self.optimizers:
+            member.scale_grads(coefficient)
+        for member in self.optimizers:
+            member.step_with_ready_grads()
+        for member in self.optimizers:
+            member.publish_weights()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -162,12 +177,19 @@ class DistributedChain(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
-        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to.
+        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to (the state-dict pre
+        and post hooks run as in ``torch.optim``).
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, sd)
+            sd = sd if out is None else out
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` (any world size). Not a collective: call it on every rank with
@@ -179,6 +201,9 @@ class DistributedChain(torch.optim.Optimizer):
             TypeError, ValueError: not a dict with ``"muon"`` and ``"adamw"``; what either member's
                 ``load_state_dict`` raises (a checkpoint of another model is refused); nothing loaded.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            state_dict = state_dict if out is None else out
         if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
             raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
                             "DistributedChain.state_dict())")
@@ -187,6 +212,8 @@ class DistributedChain(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
         self.skipped_steps = skipped
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of both members' state, for one checkpoint file per rank. Not a collective.

@@ -117,18 +117,20 @@ class LayerWiseMuon(Muon):
         skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
             with (kept in the state dict, as every optbook wrapper's).
 
-    The step (a collective), in two public phases that :class:`~optbook.distributed.DistributedChain`
-    composes (after Megatron-LM's ``prepare_grads`` / ``step_with_ready_grads``,
-    ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0)::
+    The step (a collective), in public phases (Megatron-LM's names, also ``optbook.wrapper``'s) that
+    :class:`~optbook.distributed.DistributedChain` composes (after Megatron-LM's ``prepare_grads`` /
+    ``clip_grad_norm`` / ``step_with_ready_grads``, ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0)::
 
         prepare_grads():
           all_reduce([failing rank code, has_grad...], MAX)    every rank raises together on bad input
           g = all_reduce(flat local gradients, SUM) / d         the mean gradient (float32 for bfloat16)
           inf/NaN in g: every rank raises, naming the parameter
-        step_with_ready_grads(c):
-          g <- c g  (c: the clip coefficient)                   replicated: no further communication
+        clip_grads():
+          g <- c g  (c: the clip coefficient of ||g||)          replicated: no further communication
+        step_with_ready_grads():
           owner of W:  M, W32 <- Muon(W32, M, g_W)             optbook.optim.functional.muon on the owned masters
           W <- W32 rounded (bfloat16 only)
+        publish_weights():
           all_gather(owned matrices, padded to the largest rank) every rank gets every W
 
     The owners' arithmetic is the single-process Muon's, on the same mean gradient: with an exact mean
@@ -238,16 +240,16 @@ class LayerWiseMuon(Muon):
     def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(dtype, torch.float32)
 
-    # --- the step in two public phases (DistributedChain composes them) ---------------------------------
+    # --- the step in public phases (optbook.wrapper's names; DistributedChain composes them) ------------
     @torch.no_grad()
-    def prepare_grads(self) -> float:
+    def prepare_grads(self) -> bool:
         """Phase 1 of :meth:`step` (a collective): validate on every rank and agree, average the gradients
         (one all-reduce per dtype), check them for ``inf``/``NaN``. Writes nothing but this optimizer's
-        buffer of mean gradients, which :meth:`step_with_ready_grads` consumes (or :meth:`discard_grads`
-        drops).
+        buffer of mean gradients, which the next phases read (or :meth:`discard_grads` drops).
 
         Returns:
-            The sum of squares of the mean gradients (a float, the same on every rank).
+            ``False`` (found_inf: without a loss scaler a non-finite mean gradient raises, it is never
+            skipped).
 
         Raises:
             ValueError, TypeError: an invalid input on any rank: on every rank, nothing kept.
@@ -277,25 +279,45 @@ class LayerWiseMuon(Muon):
         if bad is not None:
             raise_nonfinite_across(type(self).__name__, bad, self.param_groups, self.process_group, self.device)
         self._mean_grads = mean
-        return float(grad_sumsq([g for g in mean if g is not None]))
+        return False
+
+    def _prepared(self) -> list:
+        if self._mean_grads is None:
+            raise RuntimeError(f"{type(self).__name__}: call prepare_grads() first (nothing written)")
+        return self._mean_grads
+
+    def grad_sumsq(self) -> float:
+        """The float64 sum of squares of the prepared mean gradients (the same on every rank; no
+        communication: the mean is replicated)."""
+        return float(grad_sumsq([g for g in self._prepared() if g is not None]))
+
+    def scale_grads(self, coefficient: float) -> None:
+        """Multiply the prepared mean gradients by ``coefficient`` (a chain's clip; :func:`optbook.clipping.scale_grads_`)."""
+        scale_grads_([g for g in self._prepared() if g is not None], coefficient)
+
+    def clip_grads(self) -> float:
+        """Phase 2: the L2 norm of the prepared mean gradients (kept in :attr:`last_grad_norm`, returned),
+        and the clip by ``max_grad_norm`` when set."""
+        norm = math.sqrt(self.grad_sumsq())
+        self.last_grad_norm = norm
+        self.scale_grads(clip_coefficient(norm, self.max_grad_norm))
+        return norm
 
     def discard_grads(self) -> None:
         """Drop the mean gradients of :meth:`prepare_grads` (a chain whose other member failed)."""
         self._mean_grads = None
 
     @torch.no_grad()
-    def step_with_ready_grads(self, clip_coef: float = 1.0) -> None:
-        """Phase 2 of :meth:`step` (a collective): scale the prepared mean gradients by ``clip_coef``, step
-        the owned matrices (their float32 masters for bfloat16), all-gather every matrix.
+    def step_with_ready_grads(self) -> None:
+        """Phase 3 (local): step the owned matrices on the prepared mean gradients (the float32 masters of
+        bfloat16 ones, which are then rounded into the parameters); :meth:`publish_weights` follows.
 
         Raises:
             RuntimeError: :meth:`prepare_grads` was not called since the last step (nothing written).
         """
-        mean, self._mean_grads = self._mean_grads, None
-        if mean is None:
-            raise RuntimeError(f"{type(self).__name__}.step_with_ready_grads: call prepare_grads() first")
+        mean = self._prepared()
+        self._mean_grads = None
         self._take_up_outside_writes()
-        scale_grads_([g for g in mean if g is not None], clip_coef)
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -315,7 +337,31 @@ class LayerWiseMuon(Muon):
             muon(params, grads, bufs, **hyper(group))
             for p, master in written:
                 p.copy_(master)   # one rounding to the model's dtype
-        self._all_gather_params()
+
+    @torch.no_grad()
+    def publish_weights(self) -> None:
+        """Phase 4 (a collective): every rank packs its owned matrices (per dtype) into a buffer padded to
+        the largest rank's size; one all-gather; every rank copies the others' matrices out."""
+        for dtype in dict.fromkeys(p.dtype for p in self._params):
+            per_rank = [[p for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype and p.numel()]
+                        for r in range(self.world_size)]
+            size = max(sum(p.numel() for p in ps) for ps in per_rank)
+            if size == 0:
+                continue
+            send = torch.zeros(size, dtype=dtype, device=self.device)
+            mine = per_rank[self.rank]
+            if mine:
+                send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
+            recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
+            all_gather(recv, send, group=self.process_group)
+            self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
+            for r, ps in enumerate(per_rank):
+                if r == self.rank:
+                    continue
+                offset = r * size
+                for p in ps:
+                    p.data.copy_(recv[offset:offset + p.numel()].view(p.shape))
+                    offset += p.numel()
         self._versions.record(self._params)
 
     def _take_up_outside_writes(self) -> None:
@@ -346,34 +392,10 @@ class LayerWiseMuon(Muon):
         dist.broadcast(param.data, src=global_rank(self.process_group, self.owners[i]), group=self.process_group)
         self._versions.record([param])
 
-    def _all_gather_params(self) -> None:
-        """Every rank packs its owned matrices (per dtype) into a buffer padded to the largest rank's size;
-        one all-gather; every rank copies the others' matrices out."""
-        for dtype in dict.fromkeys(p.dtype for p in self._params):
-            per_rank = [[p for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype and p.numel()]
-                        for r in range(self.world_size)]
-            size = max(sum(p.numel() for p in ps) for ps in per_rank)
-            if size == 0:
-                continue
-            send = torch.zeros(size, dtype=dtype, device=self.device)
-            mine = per_rank[self.rank]
-            if mine:
-                send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
-            recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
-            all_gather(recv, send, group=self.process_group)
-            self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
-            for r, ps in enumerate(per_rank):
-                if r == self.rank:
-                    continue
-                offset = r * size
-                for p in ps:
-                    p.data.copy_(recv[offset:offset + p.numel()].view(p.shape))
-                    offset += p.numel()
-
     @torch.no_grad()
     def step(self, closure=None):
-        """One layer-wise Muon step (a collective): :meth:`prepare_grads`, the clip coefficient of the mean
-        gradients' norm (``max_grad_norm``), :meth:`step_with_ready_grads`.
+        """One layer-wise Muon step (a collective): :meth:`prepare_grads`, :meth:`clip_grads`,
+        :meth:`step_with_ready_grads`, :meth:`publish_weights` (the phases of :mod:`optbook.wrapper`).
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward``; run with gradients
@@ -393,9 +415,10 @@ class LayerWiseMuon(Muon):
                 naming the parameter, before anything is written.
         """
         loss = closure_loss(closure)
-        norm = math.sqrt(self.prepare_grads())
-        self.last_grad_norm = norm
-        self.step_with_ready_grads(clip_coefficient(norm, self.max_grad_norm))
+        self.prepare_grads()
+        self.clip_grads()
+        self.step_with_ready_grads()
+        self.publish_weights()
         return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------

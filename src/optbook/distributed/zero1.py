@@ -11,7 +11,8 @@ own.
 The code is in four modules: the layout (:func:`shard_layout`, in ``_zero1_layout``: per-dtype flat buffers
 cut into buckets and equal shards that ignore parameter boundaries; rank ``r``'s part of a parameter is a
 :class:`Piece`), the optimizer (:class:`DistributedOptimizer`, here: the step below, in three public phases
-``prepare_grads``, ``clip_grads``, ``step_with_ready_grads``), its ownership of the weights under
+``prepare_grads``, ``clip_grads``, ``step_with_ready_grads``, ``publish_weights``, as ``optbook.wrapper``
+names them), its ownership of the weights under
 :mod:`optbook.contract` (``_zero1_weights``: outside writes taken up, weights scaled in the masters), and its
 checkpoints (``_zero1_checkpoints``). Every public name is importable
 from here and from :mod:`optbook.distributed`.
@@ -424,7 +425,7 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
 
     @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
     def step(self, closure=None, *, extra_grad_sumsq: float | None = None):
-        """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
+        """One ZeRO-1 step (a collective): prepare_grads, clip_grads, step_with_ready_grads, publish_weights.
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward`` (on
@@ -466,9 +467,13 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
             check_number("extra_grad_sumsq", extra_grad_sumsq, low=0.0)
         if self.prepare_grads():
             return loss
-        if extra_grad_sumsq is not None or self.max_grad_norm is not None:
-            self.clip_grads(self.max_grad_norm, extra_grad_sumsq)
+        if extra_grad_sumsq is None:
+            self.clip_grads()
+        else:   # a chain's one global norm: the other members' squares added
+            self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group,
+                                                      float(extra_grad_sumsq))
         self.step_with_ready_grads()
+        self.publish_weights()
         return loss
 
     # --- the step's public phases (DistributedChain composes them) ----------------------------------------
@@ -557,26 +562,33 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
                                advice="There is no loss_scaler to skip the step: find the source of the "
                                       "non-finite value, or pass loss_scaler= to skip such steps")
 
-    @torch.no_grad()
-    def clip_grads(self, max_norm: float | None, extra_sumsq: float | None = None) -> float:
-        """Phase 2 of :meth:`step` (a collective, after :meth:`prepare_grads`): the global L2 norm of the
-        prepared mean gradients over the group (each element counted once: the ranks' pieces; with
-        ``extra_sumsq``, the other members' sum of squares of a chain, ``sqrt(norm ** 2 + extra_sumsq)``),
-        kept in :attr:`last_grad_norm`; the pieces are scaled by :func:`optbook.clipping.clip_coefficient`
-        ``(norm, max_norm)`` (not at all for ``max_norm=None``).
+    def _stepped(self) -> list[torch.Tensor]:
+        return [t for t in self._piece_params if t.grad is not None]
 
-        Returns:
-            The norm (a float, the same on every rank).
-        """
-        stepped = [t for t in self._piece_params if t.grad is not None]
-        self.last_grad_norm = _clip_by_group_norm(stepped, max_norm, self.process_group,
-                                                  None if extra_sumsq is None else float(extra_sumsq))
+    def grad_sumsq(self) -> float:
+        """The sum of squares of the prepared mean gradients over the group (a collective: one all-reduce;
+        each element counted once), for a chain's one global norm."""
+        return float(get_grad_norm(self._stepped(), group=self.process_group).square())
+
+    def scale_grads(self, coefficient: float) -> None:
+        """Multiply this rank's prepared gradient pieces by ``coefficient`` (a chain's clip)."""
+        scale_grads_([t.grad for t in self._stepped()], coefficient)
+
+    @torch.no_grad()
+    def clip_grads(self) -> float | None:
+        """Phase 2 of :meth:`step` (a collective when ``max_grad_norm`` is set): the global L2 norm of the
+        prepared mean gradients over the group (each element counted once), kept in :attr:`last_grad_norm`
+        and returned, and the pieces scaled by :func:`optbook.clipping.clip_coefficient`; ``None`` (nothing
+        computed) without ``max_grad_norm``."""
+        if self.max_grad_norm is None:
+            return None
+        self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group, None)
         return self.last_grad_norm
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
-        """Phase 3 of :meth:`step` (a collective, after :meth:`prepare_grads` returned ``False``): the inner
-        optimizer's step on this rank's pieces, masters rounded into the parameter shards, all-gather."""
+        """Phase 3 of :meth:`step` (local, after :meth:`prepare_grads` returned ``False``): the inner
+        optimizer's step on this rank's pieces; :meth:`publish_weights` follows."""
         # 7. the inner step on this rank's shard, with the hyperparameters of param_groups. Its own look
         #    for inf/NaN would be a second pass: the mean is known finite here (checked in 3, or bounded
         #    by every rank's norms in 0), and clipping scales it by at most 1
@@ -586,4 +598,3 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
             self.optimizer.step()
         for target in self._piece_params:
             target.grad = None
-        self._publish()   # 8. masters -> low-precision parameter shard; 9. all-gather the parameters
