@@ -395,5 +395,7 @@ def test_offload_state_dict_resumes_bitwise(dtype):
     owner = next(o for o in resumed.host_optimizers
                  if any(host is x for g in o.param_groups for x in g["params"]))
     assert owner.state[host] is resumed.state[next(resumed_model.parameters())]
-    with pytest.raises(ValueError, match="master_params"):
-        resumed.load_state_dict({k: v for k, v in saved.items() if k != "master_params"})
+    bad = copy.deepcopy(saved)   # the masters' layout of optbook.masters: each copy in its parameter's state
+    bad["state"][0]["master_param"] = bad["state"][0]["master_param"][:1]
+    with pytest.raises(ValueError, match="master_param"):
+        resumed.load_state_dict(bad)

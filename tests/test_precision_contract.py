@@ -186,7 +186,7 @@ def _mp(shapes, dtype=torch.bfloat16, groups=1):
 
 def _wrong_dtype(sd):
     sd = copy.deepcopy(sd)
-    sd["optimizer"]["state"][0]["exp_avg"] = sd["optimizer"]["state"][0]["exp_avg"].long()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].long()
     return sd
 
 
@@ -401,8 +401,8 @@ def test_an_optimizer_is_wrapped_once():
         MixedPrecisionOptimizer(inner)
 
 
-@pytest.mark.parametrize("bad, words", [(lambda m: m.to(torch.bfloat16), "expected float32"),
-                                        (lambda m: m.double(), "expected float32"),
+@pytest.mark.parametrize("bad, words", [(lambda m: m.to(torch.bfloat16), "expected a torch.float32"),
+                                        (lambda m: m.double(), "expected a torch.float32"),
                                         (lambda m: torch.full_like(m, float("nan")), "inf or NaN")])
 def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
     w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
@@ -410,7 +410,7 @@ def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
     w.grad = torch.ones_like(w)
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    saved["master_params"][0] = bad(saved["master_params"][0])
+    saved["state"][0]["master_param"] = bad(saved["state"][0]["master_param"])   # optbook.masters' layout
     before = opt.master_params()[0].clone()
     with pytest.raises(ValueError, match=words):
         opt.load_state_dict(saved)

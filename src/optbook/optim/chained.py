@@ -13,15 +13,13 @@ that reads and writes the owning member's state.
 from __future__ import annotations
 
 import copy
-import math
 import re
-from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
 
 import torch
 
-from .optimizer import BookOptimizer, check_state_layout, nonfinite_checked_by_caller, raise_nonfinite
-from ..contract import closure_loss
+from .optimizer import BookOptimizer, check_state_layout
+from ..wrapper import OptimizerWrapper, pack_state_dict
 
 __all__ = ["ChainedOptimizer"]
 
@@ -108,7 +106,7 @@ def _member_error(error: Exception, k: int, opt, message: str) -> Exception:
     return type(error)(f"{message} (member {k}, {type(opt).__name__}, of the chain)")
 
 
-class ChainedOptimizer(torch.optim.Optimizer):
+class ChainedOptimizer(OptimizerWrapper):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
     Args:
@@ -180,17 +178,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid max_grad_norm: expected > 0 or None, got {max_grad_norm!r}")
         self.optimizers = members
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: torch.Tensor | None = None
-        self.found_inf = False
-        self.skipped_steps = 0
         self.defaults = self._merged_defaults()
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        self._init_wrapper()
+
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The members, in step order."""
+        return self.optimizers
 
     def _merged_defaults(self) -> dict:
         """The members' defaults, first member first; ``momentum`` only when members mix the keys."""
@@ -265,56 +258,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     if "momentum" in group:
                         group["betas"] = (group["momentum"], *group["betas"][1:])
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Validate every member, check every gradient once, clip, then step each member.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss (run once,
-                with gradients enabled).
-
-        Returns:
-            The closure's loss, or ``None`` (as ``torch.optim.Optimizer.step``).
-
-        Raises:
-            NonFiniteGradientError: a gradient of any member holds ``inf`` or ``NaN`` (named by its index
-                in the chain's ``param_groups``); no member has written anything. A chain has no loss
-                scaler: to skip such steps, wrap it in :class:`optbook.precision.MixedPrecisionOptimizer`
-                with one.
-            ValueError, TypeError: a member's hyperparameter or gradient is invalid (the message names the
-                group by its index in the chain's ``param_groups`` and the member); no member has written
-                anything when this happens.
-        """
-        loss = closure_loss(closure)
+    # --- the phases of the step (optbook.wrapper); the template step() is the base class's ------------------
+    def validate(self) -> None:
+        """Copy a scheduler's ``momentum`` into ``betas[0]`` where members mix the keys, then the base's checks."""
         self._sync_momentum()
-        with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
-            first = 0   # index in the chain's param_groups of the member's first group
-            for k, opt in enumerate(self.optimizers):   # every optbook member validates before any writes
-                if isinstance(opt, BookOptimizer) or hasattr(opt, "_validate"):   # OffloadOptimizer too
-                    try:
-                        opt._validate()
-                    except (TypeError, ValueError) as e:
-                        # the member names its own groups; the caller sees the chain's (as load_state_dict)
-                        raise _member_error(e, k, opt, _chain_groups(str(e), first)) from e
-                first += len(opt.param_groups)
-            named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
-                     for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
-            if named:
-                # One reduction over every gradient of every member: the global norm (float64 sums of
-                # squares) is finite exactly when every entry is. A non-finite norm leaves the gradients
-                # untouched (clip_grad_norm_), so nothing has been written when the error is raised.
-                from optbook.clipping import clip_grad_norm_, get_grad_norm
-                params = [p for _, p in named]
-                norm = (clip_grad_norm_(params, self.max_grad_norm) if self.max_grad_norm is not None
-                        else get_grad_norm(params))
-                norm = float(norm)
-                if not math.isfinite(norm):
-                    raise_nonfinite(named)
-                self.last_grad_norm = norm
-            self.found_inf = False
-            for opt in self.optimizers:
-                opt.step()
-        return loss
+        super().validate()
+
+    def _leaf_error(self, error: Exception, k: int, optimizer) -> Exception:
+        """A member's error with its ``param_groups[g]`` renumbered as the chain's and the member named."""
+        first = sum(len(o.param_groups) for o in self.optimizers[:k])
+        return _member_error(error, k, optimizer, _chain_groups(str(error), first))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -380,20 +333,19 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 # a wrapper member's own dict keeps its own indices; a part's indices are the chain dict's
                 raise _member_error(e, k, opt, str(e) if _own_format(opt) else in_chain_terms(str(e))) from e
 
-    @torch._disable_dynamo
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """PyTorch's layout over every member's groups (``state`` keyed by parameter index over all groups,
         ``param_groups`` concatenated); a member with a state-dict format of its own (a wrapper keeping
         masters or host copies) is also saved whole under ``"members"`` (``{member index: its dict}``)."""
-        sd = super().state_dict()
+        sd = pack_state_dict(self.param_groups, self.state)
         own = {k: opt.state_dict() for k, opt in enumerate(self.optimizers) if _own_format(opt)}
         if own:
             sd["members"] = own
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by :meth:`state_dict` of a chain with the same members and groups; all or
-        nothing.
+        nothing (the base's ``load_state_dict`` runs the hooks and :meth:`check_state_dict` first).
 
         The state dict is in PyTorch's layout (``state`` keyed by parameter index over all groups,
         ``param_groups`` concatenated). It is checked whole first (:meth:`check_state_dict`: every member's
@@ -404,25 +356,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             ValueError, TypeError: as :meth:`check_state_dict` (a missing ``state``, a different number of
                 groups or parameters, a state tensor of another shape or dtype, a bad hyperparameter).
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        self.check_state_dict(state_dict)
         for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
             if _own_format(opt):
                 opt.load_state_dict(state_dict["members"][k])
             else:
                 opt.load_state_dict(copy.deepcopy(part) if not isinstance(opt, BookOptimizer) else part)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        inner = ",\n  ".join(repr(o).replace("\n", "\n  ") for o in self.optimizers)
-        return f"ChainedOptimizer(\n  {inner}\n)"

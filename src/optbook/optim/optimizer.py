@@ -41,6 +41,7 @@ import math
 import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
+from ..wrapper import is_priming_step, record_priming, undo_priming
 from . import _sharded
 from ._blocks import GRAIN, for_blocks, usable
 from .._checks import check_grad, check_matrices, check_params
@@ -466,6 +467,12 @@ class BookOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
 
+        DCP's priming step (``torch.distributed.checkpoint.state_dict`` creating missing state by a step with
+        zero gradients and lr 0) is recognised and its state dropped at the next step unless something loaded
+        over it (:func:`is_priming_step`, :func:`undo_priming`), so reading a checkpoint before the first step
+        does not change training. A wrapper that has validated this step itself (:mod:`optbook.wrapper`)
+        steps its inner optimizer without a second validation.
+
         Raises:
             NonFiniteGradientError: a gradient holds ``inf`` or ``NaN`` (a ``ValueError``; the step
                 contract, :mod:`optbook.contract`); nothing has been modified.
@@ -473,12 +480,17 @@ class BookOptimizer(torch.optim.Optimizer):
                 docstring); nothing has been modified when this happens.
         """
         loss = closure_loss(closure)
-        self._validate()
+        undo_priming(self)
+        priming = is_priming_step(self)
+        if not getattr(self, "_validated_by_caller", False):   # a wrapper has validated this step once
+            self._validate()
         for group in self.param_groups:
             group = self._read_floats(group)
             if any(p.numel() == 0 for p in group["params"]):
                 group = {**group, "params": [p for p in group["params"] if p.numel()]}
             self._step_group(group)
+        if priming:
+            record_priming(self)
         return loss
 
 
