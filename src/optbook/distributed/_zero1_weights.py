@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..precision import take_up_
+from ..masters import take_up_
 
 __all__ = ["Zero1Weights"]
 

@@ -49,7 +49,7 @@ from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads
 from ..contract import VersionTracker, closure_loss, register_owner
 from ..optim import Muon
 from ..optim.functional import muon
-from ..precision import take_up_
+from ..masters import take_up_
 from ._comm import (
     LOW_PRECISION,
     all_gather,
@@ -142,7 +142,7 @@ class LayerWiseMuon(Muon):
     Who owns the weights (:mod:`optbook.contract`): for bfloat16 parameters this optimizer keeps the
     float32 masters and registers as their owner: an in-place write to a parameter made identically on every
     rank (a weights-only ``model.load_state_dict``) is taken up into the owner's master at the next step
-    (:func:`optbook.precision.take_up_`), and :func:`optbook.contract.scale_weights_` (what
+    (:func:`optbook.masters.take_up_`), and :func:`optbook.contract.scale_weights_` (what
     :func:`optbook.qk_clip_` calls; every rank calls it) scales the master and rewrites the parameter.
     float32/float64 parameters are stepped in place: outside writes to them need no care.
 

@@ -53,7 +53,7 @@ from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from .._checks import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
-from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_
+from ..loss_scaling import check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_
 from ._comm import (
     LOW_PRECISION,
     agree,
