@@ -1,5 +1,7 @@
 """ZeRO-1's ownership of the weights (:mod:`optbook.contract`): outside writes taken up into the float32
-masters, weights scaled in the copy the next step starts from. Explained in chapter 13.
+masters, weights scaled in the copy the next step starts from, the weights published (masters rounded into the
+shards, all-gathered), and the phases of :class:`optbook.wrapper.OptimizerWrapper` that the step itself does
+not need (modes, DCP's priming, the checks done inside ``prepare_grads``). Explained in chapter 13.
 
 :class:`Zero1Weights` holds these methods for :class:`~optbook.distributed.DistributedOptimizer` (its only
 user): they read the optimizer's ``layout``, ``pieces``, ``master_shards``, ``param_buffers``, its parameter
@@ -31,7 +33,7 @@ class Zero1Weights:
         self._versions.record(self._params)
 
     @torch.no_grad()
-    def _take_up_outside_writes(self) -> None:
+    def take_up_outside_writes(self) -> None:
         """The step contract's take-up (:mod:`optbook.contract`): for each low-precision parameter written in
         place by someone else since this optimizer's last write (its ``_version`` moved; host integers, no
         device synchronisation), copy this rank's pieces of it into the float32 masters. An element whose
@@ -78,7 +80,7 @@ class Zero1Weights:
         except RuntimeError as e:
             raise ValueError(f"Invalid factor: shape {tuple(torch.as_tensor(factor).shape)} does not broadcast "
                              f"to the parameter's shape {r.shape}") from e
-        self._take_up_outside_writes()
+        self.take_up_outside_writes()
         for piece, target in zip(self.pieces, self._piece_params):
             if piece.index == index:
                 target.mul_(flat[piece.param_start:piece.param_end].to(target.dtype))
@@ -86,7 +88,16 @@ class Zero1Weights:
             self._shard(self.param_buffers, r.bucket).copy_(self.master_shards[r.bucket])
         self._gather(r.bucket)
 
-    # --- publishing the weights, and an inner optimizer's modes ---------------------------------------------
+    # --- the wrapper base's phases that ZeRO-1 fills in (optbook.wrapper.OptimizerWrapper), publishing included
+    def inner_optimizers(self) -> list:
+        return [self.optimizer]
+
+    def validate(self) -> None:
+        """Nothing here: :meth:`prepare_grads` validates and agrees over the ranks before any write."""
+
+    def validate_leaves(self) -> None:
+        """Nothing here: the inner optimizer's hyperparameters are checked, agreed, in :meth:`prepare_grads`."""
+
     @torch.no_grad()
     def publish_weights(self) -> None:
         """The step's last phase (a collective): round the float32 masters into the parameter shards (8), then
@@ -96,27 +107,16 @@ class Zero1Weights:
         for b in range(len(self.layout.buckets)):
             self._gather(b)
 
-    def train(self) -> None:
-        """The inner optimizer's ``train()`` (Schedule-Free: the parameters go back to ``y``, where gradients
-        are taken) on this rank's pieces, then the weights are published (a collective: every rank calls
-        it). Nothing to do for an inner optimizer without modes."""
-        self._switch_mode("train")
+    def prime(self) -> None:
+        """A step like any other: DCP's priming cannot be told apart on one rank (each sees its own gradients)."""
+        if not self.prepare_grads():
+            self.step_with_ready_grads()
+            self.publish_weights()
 
-    def eval(self) -> None:
-        """The inner optimizer's ``eval()`` (Schedule-Free: the parameters go to the average ``x``, where
-        to evaluate and save) on this rank's pieces, then the weights are published (a collective: every
-        rank calls it); :meth:`step` refuses to run until :meth:`train`. Nothing to do for an inner optimizer
-        without modes."""
-        self._switch_mode("eval")
-
-    def _switch_mode(self, mode: str) -> None:
-        switch = getattr(self.optimizer, mode, None)
-        if not callable(switch):
-            return
-        self._take_up_outside_writes()
-        switch()
+    def set_mode(self, name: str) -> None:
+        """The template's forwarding (outside writes taken up, the inner optimizer's mode, the weights
+        published: a collective), then each group's ``train_mode`` read back from the inner optimizer's."""
+        super().set_mode(name)
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             if "train_mode" in inner:
                 outer["train_mode"] = inner["train_mode"]
-        self.publish_weights()
-

@@ -8,12 +8,12 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 
 from ..clipping import clip_coefficient
-from ..contract import NonFiniteGradientError, closure_loss
+from ..contract import NonFiniteGradientError
+from ..wrapper import OptimizerWrapper
 from ._comm import check_int
 from ._muon_common import check_max_grad_norm
 from .fsdp2 import FSDP2Muon
@@ -22,12 +22,8 @@ from .zero1 import DistributedOptimizer
 
 __all__ = ["DistributedChain"]
 
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-               "_optimizer_load_state_dict_post_hooks")
 
-
-class DistributedChain(torch.optim.Optimizer):
+class DistributedChain(OptimizerWrapper):
     """A :class:`LayerWiseMuon` (matrices) and a ZeRO-1 ``DistributedOptimizer`` (AdamW for the rest) as one
     optimizer whose clip uses **one** global norm of the mean raw gradients of both.
 
@@ -105,15 +101,9 @@ class DistributedChain(torch.optim.Optimizer):
         self.muon, self.adamw = muon, adamw
         self.optimizers = [muon, adamw]
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.last_grad_norm: float | None = None
-        self.found_inf, self.skipped_steps = False, 0
         self.defaults = {**adamw.defaults, **muon.defaults}
         self.state = {}  # the members keep their own (sharded) state
-        # torch.optim.Optimizer.__init__ is not called (the groups are the members'): its hook registries, and
-        # the class's step wrapped to run the step hooks, as that __init__ does
-        for name in _HOOK_DICTS:
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        self._init_wrapper()   # hooks (the step's run by the template), found_inf, skipped_steps, last_grad_norm
 
     @property
     def param_groups(self) -> list[dict]:
@@ -123,20 +113,30 @@ class DistributedChain(torch.optim.Optimizer):
     def param_groups(self, value) -> None:
         raise AttributeError("DistributedChain.param_groups is the members' groups")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One chained step (a collective; class docstring).
+    def inner_optimizers(self) -> list:
+        return [self.muon, self.adamw]
+
+    # --- the phases of optbook.wrapper's template step (OptimizerWrapper.step) ---------------------------
+    def validate(self) -> None:
+        """Nothing here: each member validates in its :meth:`prepare_grads`, agreed over the ranks (a check on
+        one rank alone would leave the others waiting in a collective)."""
+
+    def validate_leaves(self) -> None:
+        """Nothing here: done, once and agreed over the ranks, in the members' ``prepare_grads``."""
+
+    def prepare_grads(self) -> bool:
+        """The Muon member's ``prepare_grads`` (validate, all-reduce), then the AdamW member's (validate,
+        reduce-scatter); if the second raises, the first drops its prepared gradients. A collective.
 
         Returns:
-            The closure's loss, or ``None``.
+            ``False``: there is no loss scaler, a non-finite gradient raises.
 
         Raises:
             ValueError, TypeError: invalid input on any rank: every rank raises, nothing written by either
                 member.
             optbook.contract.NonFiniteGradientError: a mean gradient of either member holds ``inf`` or
-                ``NaN``: every rank raises, nothing written by either member.
+                ``NaN``: every rank raises (naming the member and the parameter), nothing written.
         """
-        loss = closure_loss(closure)
         try:   # every rank raises together on bad input or inf/NaN, nothing kept
             self.muon.prepare_grads()
         except NonFiniteGradientError as e:
@@ -149,21 +149,27 @@ class DistributedChain(torch.optim.Optimizer):
         except BaseException:
             self.muon.discard_grads()
             raise
-        # one global norm over both members (one all-reduce: the AdamW member's shards; Muon's is replicated)
-        self.last_grad_norm = math.sqrt(self.muon.grad_sumsq() + self.adamw.grad_sumsq())
-        self.muon.last_grad_norm = self.adamw.last_grad_norm = self.last_grad_norm
-        coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        return False
+
+    def clip_grads(self) -> float:
+        """One global norm over both members (one all-reduce: the AdamW member's shards; the Muon member's
+        mean is replicated), both scaled by the same coefficient; the norm is every member's
+        ``last_grad_norm`` too."""
+        norm = math.sqrt(self.muon.grad_sumsq() + self.adamw.grad_sumsq())
+        self.muon.last_grad_norm = self.adamw.last_grad_norm = norm
+        coefficient = clip_coefficient(norm, self.max_grad_norm)
         for member in self.optimizers:
             member.scale_grads(coefficient)
+        return norm
+
+    def step_with_ready_grads(self) -> None:
         for member in self.optimizers:
             member.step_with_ready_grads()
+
+    def publish_weights(self) -> None:
+        """Both members' all-gathers."""
         for member in self.optimizers:
             member.publish_weights()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none=set_to_none)
-        self.adamw.zero_grad(set_to_none=set_to_none)
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -175,45 +181,38 @@ class DistributedChain(torch.optim.Optimizer):
         self.muon.consolidate_state_dict(to)
         self.adamw.consolidate_state_dict(to)
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
-        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to (the state-dict pre
-        and post hooks run as in ``torch.optim``).
+        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to (``state_dict()``,
+        with the state-dict hooks run as in ``torch.optim``).
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        sd = {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            out = post_hook(self, sd)
-            sd = sd if out is None else out
-        return sd
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from :meth:`state_dict` (any world size). Not a collective: call it on every rank with
-        the same dict. All or nothing: the Muon member's dict is validated (without loading), then the
-        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
-        the Muon member loads; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+    def check_state_dict(self, state_dict) -> None:
+        """The chain's layout, ``skipped_steps`` and the Muon member's whole dict, writing nothing (the AdamW
+        member checks its own whole dict before it writes anything, in ``load_state_dict``).
 
         Raises:
-            TypeError, ValueError: not a dict with ``"muon"`` and ``"adamw"``; what either member's
-                ``load_state_dict`` raises (a checkpoint of another model is refused); nothing loaded.
+            TypeError, ValueError: the first problem found.
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, state_dict)
-            state_dict = state_dict if out is None else out
         if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
             raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
                             "DistributedChain.state_dict())")
-        skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
+        check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
         self.muon.check_state_dict(state_dict["muon"])
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        """``load_state_dict(state_dict)``: a dict from :meth:`state_dict` (any world size). Not a collective:
+        call it on every rank with the same dict. All or nothing: :meth:`check_state_dict` first, then the
+        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
+        the Muon member; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+        """
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
-        self.skipped_steps = skipped
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        self.skipped_steps = state_dict.get("skipped_steps", self.skipped_steps)
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of both members' state, for one checkpoint file per rank. Not a collective.

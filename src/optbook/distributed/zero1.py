@@ -54,6 +54,7 @@ from ..optim import AdamW
 from .._checks import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
 from ..loss_scaling import check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_
+from ..wrapper import OptimizerWrapper
 from ._comm import (
     LOW_PRECISION,
     agree,
@@ -85,7 +86,7 @@ def _clip_by_group_norm(params, max_norm, group, extra_sumsq: float | None) -> f
 
 
 # --- the optimizer ------------------------------------------------------------------------------------------
-class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer):
+class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
     """ZeRO-1 around an element-wise optimizer: reduce-scatter, shard step, all-gather (module docstring).
 
     Used like ``torch.distributed.optim.ZeroRedundancyOptimizer``: build it on every rank of
@@ -258,7 +259,7 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
         if getattr(self, "_layout", None) is not None:
             raise NotImplementedError("DistributedOptimizer.add_param_group: the flat buffers are laid out "
                                       "at construction; build a new DistributedOptimizer with every group")
-        super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, param_group)   # its own groups (not the wrapper's forwarding)
 
     @property
     def loss_scale(self) -> float:
@@ -462,21 +463,17 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
                 ``inf``/``NaN``: raised on every rank, naming the first such parameter; nothing was written on
                 any rank (a ``ValueError``).
         """
-        loss = contract.closure_loss(closure)
         if extra_grad_sumsq is not None:
             check_number("extra_grad_sumsq", extra_grad_sumsq, low=0.0)
-        if self.prepare_grads():
-            return loss
-        if extra_grad_sumsq is None:
-            self.clip_grads()
-        else:   # a chain's one global norm: the other members' squares added
-            self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group,
-                                                      float(extra_grad_sumsq))
-        self.step_with_ready_grads()
-        self.publish_weights()
-        return loss
+        self._extra_sumsq = extra_grad_sumsq
+        try:
+            return OptimizerWrapper.step(self, closure)   # the template: validate ... publish_weights
+        finally:
+            self._extra_sumsq = None
 
     # --- the step's public phases (DistributedChain composes them) ----------------------------------------
+    _extra_sumsq: float | None = None   # step(extra_grad_sumsq=): a chain's other members' squares
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Phase 1 of :meth:`step` (a collective): validate and agree over the ranks, reduce-scatter the mean
@@ -484,8 +481,8 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
         writes, and hand each piece its gradient for :meth:`step_with_ready_grads`.
 
         Returns:
-            ``found_inf``: with a loss scaler, ``True`` when every rank skips this step (nothing written, the
-            scaler updated, ``skipped_steps`` counted); then do not call the next phases.
+            ``found_inf``: with a loss scaler, ``True`` when every rank skips this step (nothing written; the
+            template step then updates the scaler and counts the step); then do not call the next phases.
 
         Raises:
             As :meth:`step`: bad input on any rank, or a non-finite mean gradient without a loss scaler, on
@@ -536,14 +533,10 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
             self._mean_(shard_grads)
         if found_inf and self.loss_scaler is None:
             self._raise_non_finite(saved)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-        self.found_inf = found_inf
         self.last_grad_norm = None
-        if found_inf:
-            self.skipped_steps += 1
+        if found_inf:   # the template updates the loss scaler and counts the skipped step
             return True
-        self._take_up_outside_writes()
+        self.take_up_outside_writes()
         # 5. the pieces' gradients; a parameter without a gradient on every rank is not stepped
         for piece, target, grad in zip(self.pieces, self._piece_params, self._piece_grads):
             target.grad = grad if has_grad[piece.index] else None
@@ -580,9 +573,10 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, torch.optim.Optimizer
         prepared mean gradients over the group (each element counted once), kept in :attr:`last_grad_norm`
         and returned, and the pieces scaled by :func:`optbook.clipping.clip_coefficient`; ``None`` (nothing
         computed) without ``max_grad_norm``."""
-        if self.max_grad_norm is None:
+        if self.max_grad_norm is None and self._extra_sumsq is None:
             return None
-        self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group, None)
+        self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group,
+                                                  None if self._extra_sumsq is None else float(self._extra_sumsq))
         return self.last_grad_norm
 
     @torch.no_grad()
