@@ -11,6 +11,7 @@ import torch
 from optbook.optim import Adam, AdamW
 from optbook.optim import _blocks
 from optbook.optim._blocks import BLOCK, for_blocks
+from helpers import scaled_timeout
 
 # a multi-block matrix with a partial last block, a 1-D tensor of exactly two blocks, one just over the
 # small-tensor threshold (one partial block), and small ones batched through foreach
@@ -206,9 +207,9 @@ def test_a_forked_child_makes_its_own_workers():
         child = ctx.Process(target=_blocks_in_child, args=(queue,))
         child.start()
         try:
-            fresh, names, total, value = queue.get(timeout=60)
+            fresh, names, total, value = queue.get(timeout=scaled_timeout(60))
         finally:
-            child.join(timeout=10)
+            child.join(timeout=scaled_timeout(10))
             if child.is_alive():
                 child.kill()
     finally:
@@ -334,7 +335,7 @@ def test_interrupts_at_random_moments_never_hang_a_step_nor_leave_workers_writin
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     previous_handler = signal.signal(signal.SIGALRM, interrupt)
-    faulthandler.dump_traceback_later(120, exit=True)    # a hang fails the run instead of stalling it
+    faulthandler.dump_traceback_later(scaled_timeout(120), exit=True)    # a hang fails the run instead of stalling it
     try:
         p = torch.nn.Parameter(torch.randn(8 * BLOCK))
         q = torch.nn.Parameter(torch.randn(500))

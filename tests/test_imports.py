@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import optbook
+from helpers import scaled_timeout
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled_timeout(120))
 
 
 def test_importing_the_optimizers_and_clipping_pulls_in_neither_matplotlib_nor_sklearn():

@@ -18,6 +18,7 @@ from optbook.memory import (MemoryConfig, OffloadOptimizer, ledger, measure, mos
                             peak_device_bytes)
 from optbook.optim import AdamW, ChainedOptimizer, Muon
 from optbook.precision import MixedPrecisionOptimizer
+from helpers import scaled_timeout
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 
@@ -205,7 +206,7 @@ def test_measured_muon_and_chained():
 
 
 def test_measured_distributed_optimizer_two_ranks():
-    reports = launch(memory_chapter, 2, timeout=90.0)
+    reports = launch(memory_chapter, 2, timeout=scaled_timeout(90.0))
     for rep in reports:
         exact, megatron = rep["unpadded"], rep["megatron"]
         assert exact["applied"] and megatron["applied"]

@@ -14,6 +14,7 @@ import torch
 from optbook.contract import NonFiniteGradientError
 from optbook.optim import SGD, Adam, AdamW, Lion
 from optbook.precision import ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer
+from helpers import scaled_timeout
 
 INF = math.inf
 
@@ -565,5 +566,5 @@ def test_load_state_dict_checks_before_writing():
 def test_import_needs_torch_only():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = "import optbook.precision, sys; assert not {'matplotlib', 'sklearn'} & set(sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=scaled_timeout(120))
     assert done.returncode == 0, done.stderr

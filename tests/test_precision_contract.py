@@ -13,6 +13,7 @@ from optbook.models import TinyTransformer
 from optbook.optim import SGD, AdamW, ChainedOptimizer, Muon
 from optbook.precision import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer,
                                unscale_grads_)
+from helpers import scaled_timeout
 
 TAU = 5.0
 
@@ -435,7 +436,7 @@ def test_distributed_optimizers_are_refused_inside_mixed_precision_and_a_chain()
     from contract_workers import refused_compositions
     from optbook.distributed import launch
 
-    out = launch(refused_compositions, 1, timeout=60.0)[0]
+    out = launch(refused_compositions, 1, timeout=scaled_timeout(60.0))[0]
     for name in ("LayerWiseMuon", "DistributedOptimizer"):
         assert f"Invalid optimizer: {name} " in out[f"MixedPrecisionOptimizer({name})"]
         assert "instead of the tensors in its param_groups" in out[f"MixedPrecisionOptimizer({name})"]

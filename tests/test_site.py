@@ -37,7 +37,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import pytest
 import yaml
-from helpers import toc_files
+from helpers import scaled_timeout, toc_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("OPTBOOK_SITE", ROOT / "_build" / "html"))
@@ -50,7 +50,7 @@ SCREENSHOTS = {"book/00_preface": "preface.png", "book/06_muon": "06_muon.png"}
 # A screenshot of the top of every page at both widths goes to _build/screenshots/<width>/ (CI artefacts).
 WIDTHS = {"desktop": (1400, 900), "phone": (390, 844)}
 SHOTS = ROOT / "_build" / "screenshots"
-PAGE_TIMEOUT = 30  # seconds for a page's load, MathJax and images
+PAGE_TIMEOUT = scaled_timeout(30)  # seconds for a page's load, MathJax and images
 
 # The browser test checks a built site, which the unit-test run (`make test`) neither builds nor keeps
 # current: it runs with `make site-test` (after `make book`; CI does both), or with OPTBOOK_SITE_TEST=1.
