@@ -40,7 +40,8 @@ import torch
 
 from .contract import elementwise
 from .offload import OffloadOptimizer
-from .optim import SGD, Adam, AdamW, Lion, Muon
+from .optim import SGD, Adam, AdamW, ChainedOptimizer, Lion, Muon
+from .precision import MixedPrecisionOptimizer
 from ._checks import LOW_PRECISION, check_dtype, check_int as _check_int, check_number
 
 __all__ = ["Component", "Ledger", "Measured", "MemoryConfig", "OPTIMIZERS", "OffloadOptimizer", "ledger", "measure",
@@ -380,9 +381,6 @@ def _add_state(out: Measured, state, seen: set) -> None:
 
 
 def _measure(opt, out: Measured, seen: set) -> None:
-    from .optim import ChainedOptimizer
-    from .precision import MixedPrecisionOptimizer
-
     if isinstance(opt, OffloadOptimizer):
         for p in opt._params:
             out.add("params", p, seen)
@@ -408,11 +406,7 @@ def _measure(opt, out: Measured, seen: set) -> None:
         for member in opt.optimizers:
             _measure(member, out, seen)
         return
-    try:
-        from .distributed.zero1 import DistributedOptimizer
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        DistributedOptimizer = ()
-    if DistributedOptimizer and isinstance(opt, DistributedOptimizer):
+    if hasattr(opt, "param_buffers") and hasattr(opt, "grad_buffers"):   # ZeRO-1's flat buffers
         for buf in opt.param_buffers.values():
             out.add("params", buf, seen)
         for buf in opt.grad_buffers.values():

@@ -43,7 +43,7 @@ from .contract import NonFiniteGradientError, owner_of
 from .loss_scaling import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, _check_scale, _unscale_unfused_,
                            check_float16_scaled, check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_)
 from .masters import MASTER_KEY, MastersWrapper, check_optimizer_state_dict, take_up_
-from .optim._sharded import is_dtensor
+from ._sharded import is_dtensor
 from ._checks import LOW_PRECISION, check_bool, check_grad, check_number, check_params
 from .optim.chained import ChainedOptimizer
 from .optim.optimizer import all_finite

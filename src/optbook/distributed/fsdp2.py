@@ -33,7 +33,7 @@ from ..contract import closure_loss
 from ..optim import Muon
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
-from ..optim._sharded import is_dtensor, local
+from .._sharded import is_dtensor, local
 from . import _muon_common as common
 from ._comm import (
     LOW_PRECISION,

@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from ..optim._sharded import local
+from .._sharded import local
 
 __all__ = ["chapter_batch", "chapter_model", "fsdp2_chapter", "full_tensor", "set_sharded_grads",
            "shard_model", "train_fsdp2"]

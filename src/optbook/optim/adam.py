@@ -32,7 +32,7 @@ import math
 import torch
 
 from ._functional import LOW_PRECISION, check_fused, in_float32, use_foreach, write_back
-from ._sharded import local
+from .._sharded import local
 from .._checks import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 

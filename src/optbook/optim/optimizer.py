@@ -51,7 +51,7 @@ import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
 from ..wrapper import is_priming_step, record_priming, undo_priming
-from . import _sharded
+from .. import _sharded
 from .._checks import check_grad, check_matrices, check_params
 from ._torch_arguments import take_torch_arguments
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import in_float32, steps_in_float32, write_back
-from ._sharded import local
+from .._sharded import local
 from .._checks import (
     check_betas,
     check_bool,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION, check_fused, in_float32, momentum_directions, use_foreach, write_back
-from ._sharded import local
+from .._sharded import local
 from .._checks import check_bool, check_foreach, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .optimizer import BookOptimizer
 
