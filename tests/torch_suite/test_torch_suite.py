@@ -1110,14 +1110,15 @@ NOT_MIRRORED = [
     ("test_foreach_large_tensor", "CUDA only, 72 GB of device memory"),
     ("test_peak_memory_foreach", "CUDA only: reads the caching allocator's peak-memory statistics"),
     ("test_fused_large_tensor", "64 GB of memory"),
-    ("test_fused_does_not_step_if_foundinf", "CUDA only; no optbook class has a fused kernel (optbook's own "
-     "`found_inf` contract is tested in tests/test_contract.py)"),
+    ("test_fused_does_not_step_if_foundinf", "CUDA only (optbook's SGD, Adam and AdamW hand fused=True to torch's "
+     "kernels without a grad_scale; optbook's own `found_inf` contract is tested in tests/test_contract.py)"),
     ("test_cpu_load_state_dict", "runs on non-CPU devices only"),
     ("test_fused_cpu_matches_cuda", "CUDA only"),
     ("test_defaults_changed_to_foreach", "CUDA only, and it patches torch's module-private "
      "`_multi_tensor_<name>` functions, which optbook's classes do not have"),
-    ("test_fused_error_on_params_on_meta", "exercises a fused kernel's dtype check; no optbook class has a fused "
-     "kernel (that absence is the `fused` deviation of test_fused_matches_forloop)"),
+    ("test_fused_error_on_params_on_meta", "exercises torch's fused kernel's check of a meta-device parameter; "
+     "optbook's fused=True refuses a parameter on a device without torch's fused kernels before the kernel runs "
+     "(tests/test_fused.py)"),
     ("test_second_order_optims_return_consistent_types", "applies to optimizers whose step requires a closure "
      "(LBFGS); none of optbook's does"),
     ("test_fused_matches_forloop in bfloat16 and float16", "torch's per-dtype tolerances for the half types live in "

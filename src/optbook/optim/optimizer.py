@@ -264,6 +264,12 @@ class BookOptimizer(torch.optim.Optimizer):
         __init__._takes_torch_arguments = True
         cls.__init__ = __init__
 
+    def __init__(self, params, defaults: dict) -> None:
+        """``torch.optim.Optimizer.__init__`` after checking ``defaults``: as in ``torch.optim``, a bad
+        hyperparameter is reported (``ValueError``/``TypeError`` naming it) before ``params`` is read."""
+        self._check_group({**defaults, "params": []})
+        super().__init__(params, defaults)
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group as ``torch.optim.Optimizer.add_param_group`` does, after the checks of this class.
 
