@@ -1,0 +1,63 @@
+"""optbook.capstone (chapter 19) and tools/capstone.py's merge: tiny runs of the real code."""
+
+import math
+
+import pytest
+import torch
+
+from optbook import capstone, text
+from optbook.optim import ChainedOptimizer
+
+TINY = capstone.Setup(d_model=16, n_layers=1, n_heads=2, seq_len=16, batch_size=4, max_steps=6, eval_every=2,
+                      eval_windows=4, target=10.0)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return text.load_corpus()
+
+
+def test_setup_and_optimizer_errors():
+    with pytest.raises(ValueError, match="Invalid target"):
+        capstone.Setup(target=0.0)
+    with pytest.raises(TypeError, match="Invalid max_steps"):
+        capstone.Setup(max_steps=1.5)
+    model = capstone.new_model(TINY, 0, 62)
+    with pytest.raises(ValueError, match="Invalid name"):
+        capstone.build_optimizer("SGD", model, 1e-2)
+    with pytest.raises(ValueError, match="Invalid lr"):
+        capstone.build_optimizer("Muon", model, 0.0)
+    assert isinstance(capstone.build_optimizer("Dion", model, 1e-2), ChainedOptimizer)
+
+
+def test_steps_to_target_is_deterministic_and_stops_at_the_target(split):
+    # the initial loss is about log(62) = 4.1 < 10: reached at the first evaluation, step 2
+    a = capstone.steps_to_target("Muon", 1e-2, 3, TINY, split)
+    assert a.steps == 2 and a.curve[0][0] == 2 and len(a.curve) == 1 and a.seconds > 0
+    never = capstone.Setup(**{**TINY.__dict__, "target": 0.1})
+    b = capstone.steps_to_target("AdamW", 1e-2, 3, never, split)
+    c = capstone.steps_to_target("AdamW", 1e-2, 3, never, split)
+    assert math.isinf(b.steps) and math.isinf(b.seconds) and [s for s, _ in b.curve] == [2, 4, 6]
+    assert b.curve == c.curve                               # same seed: same windows, same init, same losses
+
+
+def test_compare_follows_the_rank_test():
+    steps = {"AdamW": list(range(20, 30)), "Muon": list(range(10, 20)), "Dion": list(range(20, 30))}
+    rows = capstone.compare(steps)
+    assert rows["AdamW"]["verdict"] == "reference" and rows["AdamW"]["p_faster"] is None
+    assert rows["Muon"]["verdict"] == "faster" and rows["Muon"]["p_faster"] < 0.005
+    assert rows["Muon"]["ratio"] == pytest.approx(24.5 / 14.5)
+    assert rows["Dion"]["verdict"] == "no difference shown"
+    never = capstone.compare({"AdamW": [math.inf] * 10, "Muon": list(range(10))})
+    assert never["Muon"]["verdict"] == "faster"             # inf ("never") ranks last
+
+
+def test_max_logit_run_clip_bounds_the_next_maximum(split):
+    free = capstone.max_logit_run(0.3, 0, TINY, 5, None, split)
+    tau = 0.5 * min(free["max_logit"])                      # below every recorded maximum: clipped every step
+    clipped = capstone.max_logit_run(0.3, 0, TINY, 5, tau, split)
+    assert len(clipped["max_logit"]) == 5 and clipped["max_logit"][0] == free["max_logit"][0]
+    # after a clip the logits of the same weights are at most tau; one optimizer step can raise them again,
+    # so the recorded maxima (taken before each clip) stay well below the unclipped run's
+    assert max(clipped["max_logit"][1:]) < max(free["max_logit"][1:])
+    assert math.isfinite(clipped["loss"])
