@@ -61,3 +61,37 @@ def test_max_logit_run_clip_bounds_the_next_maximum(split):
     # so the recorded maxima (taken before each clip) stay well below the unclipped run's
     assert max(clipped["max_logit"][1:]) < max(free["max_logit"][1:])
     assert math.isfinite(clipped["loss"])
+
+
+def test_step_seconds_times_every_optimizer(split):
+    cost = capstone.step_seconds({"AdamW": 1e-3, "Muon": 1e-2}, TINY, split, rounds=2, steps_per_round=1, warmup=1)
+    assert set(cost) == {"AdamW", "Muon"} and all(0 < v < 10 for v in cost.values())
+    with pytest.raises(TypeError, match="Invalid rounds"):
+        capstone.step_seconds({"AdamW": 1e-3}, TINY, split, rounds=1.0)
+
+
+def test_tool_merge_recomputes_the_comparison(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("capstone_tool", Path(__file__).parents[1] / "tools" / "capstone.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    base = {"setup": {"target": 2.25}, "quick": False, "total_seconds": 1.0}
+    parts = []
+    for i, (name, steps) in enumerate({"AdamW": [100] * 9 + [None], "Muon": [50] * 10,
+                                       "NorMuon": [100] * 10, "Dion": [200] * 10}.items()):
+        part = base | {"grid": {name: [0.01, 0.03]}, "tuning": {}, "lr": {name: 0.01}, "steps": {name: steps},
+                       "seconds_measured": {name: [1.0] * 10}, "curves": {name: []}}
+        parts.append(tmp_path / f"{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps(base | {"max_logit": {}, "step_seconds": {"AdamW": 1.0, "Muon": 3.0, "NorMuon": 1.0,
+                                                                          "Dion": 1.0}}))
+    with pytest.raises(ValueError, match="nothing for"):
+        tool.merge(parts)
+    result = tool.merge(parts + [extra])
+    assert result["compare_steps"]["Muon"]["verdict"] == "faster"
+    assert result["compare_steps"]["Dion"]["verdict"] == "slower"
+    assert result["seconds"]["Muon"] == [150.0] * 10 and result["seconds"]["AdamW"][-1] is None
+    assert result["lr_at_grid_edge"] == ["AdamW", "Muon", "NorMuon", "Dion"]

@@ -9,7 +9,10 @@
 Each optimizer's learning rate is picked from ``GRID`` on ``TUNE_SEEDS`` (fewest total steps to the target,
 the larger rate on a tie), seeds the table does not use; then ``TABLE_SEEDS`` (10 seeds) run at the chosen
 rates and :func:`optbook.capstone.compare` applies chapter 18b's rule (one-sided Mann-Whitney U at 0.01,
-Bonferroni over the three comparisons) to steps and to seconds. Then the largest attention logit over
+Bonferroni over the three comparisons) to steps and to seconds. Seconds to the target are steps times each
+optimizer's median cost of a step, measured with the optimizers taking turns in one process
+(:func:`optbook.capstone.step_seconds`); the seconds each run measured itself are kept as
+``seconds_measured`` (they depend on whatever else the machine ran at the time). Then the largest attention logit over
 training with Muon at a high learning rate, with and without QK-clip. Runs on CUDA when a GPU is visible
 (``--device`` overrides), else on the CPU with two threads. About 10-15 minutes on an idle 2-core CPU.
 """
@@ -50,6 +53,9 @@ def summarise(result: dict) -> dict:
     """Add the comparisons (chapter 18b's rule) to a result whose ``steps`` and ``seconds`` cover every
     optimizer; JSON ``null`` (never reached the target) counts as ``inf``."""
     as_inf = lambda v: [math.inf if x is None else x for x in v]  # noqa: E731
+    cost = result["step_seconds"]
+    result["seconds"] = {n: [None if s is None else s * cost[n] for s in result["steps"][n]]
+                         for n in capstone.OPTIMIZERS}
     for key in ("steps", "seconds"):
         rows = capstone.compare({n: as_inf(result[key][n]) for n in capstone.OPTIMIZERS})
         result[f"compare_{key}"] = {n: {k: finite(v) if isinstance(v, float) else v for k, v in row.items()}
@@ -70,16 +76,18 @@ def merge(paths: list[Path]) -> dict:
             raise ValueError(f"Invalid parts: {paths} were run with different setups")
         for key in PER_OPTIMIZER:
             result.setdefault(key, {}).update(part.get(key, {}))
-        if "max_logit" in part:
-            result["max_logit"] = part["max_logit"]
+        for key in ("max_logit", "step_seconds"):
+            if key in part:
+                result[key] = part[key]
     result["total_seconds"] = round(sum(p["total_seconds"] for p in parts), 1)
-    missing = [n for n in capstone.OPTIMIZERS if n not in result["steps"]] + ["max_logit"] * ("max_logit" not in result)
+    missing = [n for n in capstone.OPTIMIZERS if n not in result["steps"]]
+    missing += [key for key in ("max_logit", "step_seconds") if key not in result]
     if missing:
         raise ValueError(f"Invalid parts: nothing for {missing} in {paths}")
     return summarise(result)
 
 
-PER_OPTIMIZER = ("grid", "tuning", "lr", "steps", "seconds", "curves")
+PER_OPTIMIZER = ("grid", "tuning", "lr", "steps", "seconds_measured", "curves")
 
 
 def report(result: dict) -> None:
@@ -100,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", default=",".join(capstone.OPTIMIZERS), help="comma-separated subset")
     ap.add_argument("--no-logits", action="store_true", help="skip the max-logit runs")
     ap.add_argument("--logits-only", action="store_true", help="only the max-logit runs")
+    ap.add_argument("--step-cost-only", action="store_true", help="only the per-step cost, with the rates "
+                    "given as --lrs NAME=LR,...")
+    ap.add_argument("--lrs", default="", help="learning rates for --step-cost-only, e.g. AdamW=3e-3,Muon=3e-2")
     ap.add_argument("--merge", type=Path, nargs="+", help="combine partial results into --out")
     args = ap.parse_args(argv)
     out = args.out if args.out is not None or args.quick else ROOT / "records" / "capstone.json"
@@ -112,7 +123,7 @@ def main(argv=None) -> int:
     names = [n for n in args.optimizers.split(",") if n]
     if not set(names) <= set(capstone.OPTIMIZERS):
         ap.error(f"--optimizers: expected names from {capstone.OPTIMIZERS}, got {names}")
-    if args.logits_only:
+    if args.logits_only or args.step_cost_only:
         names = []
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
@@ -146,10 +157,17 @@ def main(argv=None) -> int:
         "tuning": {n: {f"{lr:g}": [finite(s) for s in tuning[n, lr]] for lr in grid[n]} for n in names},
         "lr": lrs,
         "steps": {n: [finite(r.steps) for r in rs] for n, rs in runs.items()},
-        "seconds": {n: [finite(r.seconds) for r in rs] for n, rs in runs.items()},
+        "seconds_measured": {n: [finite(r.seconds) for r in rs] for n, rs in runs.items()},
         "curves": {n: [r.curve for r in rs] for n, rs in runs.items()},
     }
-    if not args.no_logits:
+    if args.step_cost_only:
+        given = dict(kv.split("=") for kv in args.lrs.split(",") if kv)
+        result["step_seconds"] = capstone.step_seconds({n: float(given[n]) for n in capstone.OPTIMIZERS}, setup,
+                                                       split, device)
+        print(f"seconds per step: {result['step_seconds']}", flush=True)
+    elif set(names) == set(capstone.OPTIMIZERS):
+        result["step_seconds"] = capstone.step_seconds(lrs, setup, split, device)
+    if not args.no_logits and not args.step_cost_only:
         logits = {}
         for label, tau in (("Muon", None), ("Muon + QK-clip", LOGIT_TAU)):
             logits[label] = [capstone.max_logit_run(LOGIT_LR, s, setup, logit_steps, tau, split) for s in logit_seeds]

@@ -13,7 +13,9 @@ head and the norm gains to AdamW at the same learning rate, chained into one
 does; Dion keeps a quarter of the rank (Ahn et al., arXiv:2504.05295). No warmup, schedule or decay.
 
 The comparison rule is 18b's: a one-sided Mann-Whitney U test of steps (or seconds) to the target,
-each optimizer against AdamW, at level ``0.01`` Bonferroni-corrected over the comparisons.
+each optimizer against AdamW, at level ``0.01`` Bonferroni-corrected over the comparisons. Seconds to
+the target are steps times the optimizer's cost of a step, measured with the optimizers taking turns
+(:func:`step_seconds`), so that a machine whose speed changes over the runs slows all of them alike.
 ``tools/capstone.py`` (``make capstone``) runs the full table; the chapter runs a smaller one.
 """
 
@@ -34,7 +36,7 @@ from .optim import AdamW, ChainedOptimizer, Dion, Muon, NorMuon, muon_param_grou
 from .qk_clip import qk_clip_
 
 __all__ = ["OPTIMIZERS", "Setup", "Run", "new_model", "build_optimizer", "held_out_loss", "steps_to_target",
-           "compare", "max_logit_run"]
+           "step_seconds", "compare", "max_logit_run"]
 
 OPTIMIZERS = ("AdamW", "Muon", "NorMuon", "Dion")
 
@@ -152,6 +154,48 @@ def steps_to_target(name: str, lr: float, seed: int, setup: Setup, split: text.T
                 if stop_at_target:
                     break
     return run
+
+
+def step_seconds(lrs: dict[str, float], setup: Setup, split: text.TextSplit | None = None, device=None, *,
+                 rounds: int = 7, steps_per_round: int = 5, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one training step (forward, backward, ``step()``) per optimizer in ``lrs``.
+
+    The optimizers take turns: ``rounds`` rounds of ``steps_per_round`` steps each, one optimizer after the
+    other in every round, after ``warmup`` untimed steps each, so that all of them see the same machine
+    (a busy or throttling machine slows them alike). Returns ``{name: median over rounds of the mean step
+    time}`` in seconds.
+    """
+    check_int("rounds", rounds, 1)
+    check_int("steps_per_round", steps_per_round, 1)
+    split = text.load_corpus() if split is None else split
+    device = torch.device("cpu") if device is None else torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for name, lr in lrs.items():
+        model = new_model(setup, 0, split.tokenizer.vocab_size, device)
+        state[name] = (model, build_optimizer(name, model, lr))
+    batches = [tuple(t.to(device) for t in text.sample_batch(split.train, setup.batch_size, setup.seq_len, gen))
+               for _ in range(steps_per_round)]
+
+    def steps(name, n):
+        model, opt = state[name]
+        for x, y in batches[:n]:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+
+    times = {name: [] for name in lrs}
+    for name in lrs:
+        for _ in range(warmup):
+            steps(name, 1)
+    for _ in range(rounds):
+        for name in lrs:
+            _sync(device)
+            start = time.perf_counter()
+            steps(name, steps_per_round)
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / steps_per_round)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def compare(values: dict[str, list[float]], reference: str = "AdamW", alpha: float = 0.01) -> dict[str, dict]:
