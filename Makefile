@@ -27,7 +27,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: capstone conformance gpu-check setup torch-cuda torch-cpu lab book student pdf test site-test nbval portability notebooks bench \
+.PHONY: capstone conformance gpu-check setup python-version torch-cuda torch-cpu lab book student pdf pdf-numbers test site-test nbval portability notebooks bench \
         sweep clean
 
 INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(TORCH)" --index "$(TORCH_INDEX)"
@@ -37,7 +37,22 @@ INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(
 setup: $(VENV)/.installed
 	@$(INSTALL_TORCH)
 
+# Python 3.10 or newer (pyproject.toml's requires-python), checked before .venv is created: with an older
+# one pip fails later with "ResolutionImpossible", which never names Python, and leaves a .venv behind.
+# A .venv that an older Python made is named too (remove it, then run make again).
+PYTHON_MIN := 3.10
+OLD_PYTHON = { v=$$($(1) --version 2>&1 | sed -n 's/^Python \([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p'); set -- $$v; \
+	[ -z "$$v" ] || [ "$$1" -lt 3 ] || { [ "$$1" -eq 3 ] && [ "$$2" -lt 10 ]; }; }
+python-version:
+	@if $(call OLD_PYTHON,$(PYTHON)); then \
+	  echo "make: Python $(PYTHON_MIN) or newer is needed; PYTHON=$(PYTHON) is $$($(PYTHON) --version 2>&1 | head -1)." \
+	    "Run again with a newer one, e.g. make PYTHON=python3.12 (nothing was installed)." >&2; exit 1; fi
+	@if [ -x $(BIN)/python ] && $(call OLD_PYTHON,$(BIN)/python); then \
+	  echo "make: $(VENV) was made by $$($(BIN)/python --version 2>&1 | head -1), older than $(PYTHON_MIN):" \
+	    "remove it (rm -rf $(VENV)) and run make again." >&2; exit 1; fi
+
 $(VENV)/.installed: requirements.txt pyproject.toml
+	@$(MAKE) --no-print-directory python-version
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(INSTALL_TORCH)
@@ -82,14 +97,18 @@ student: setup
 	  $(BIN)/jupyter-book build _build/student/src --path-output _build/student --warningiserror --keep-going
 
 # The whole book as one PDF without LaTeX: the single-page HTML build, typeset by MathJax and printed by
-# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf; its page
-# and formula counts go to records/pdf.json and the README.
+# headless Chromium (Debian's chromium + chromium-driver, as for site-test): _build/pdf/book.pdf and its
+# page, formula and notebook counts in _build/pdf/book.json. It writes nothing outside _build.
 pdf: setup
 	mkdir -p _build
 	sed 's/^\(  execute_notebooks:\).*/\1 "off"/' _config.yml > _build/_config.yml
 	$(RUN) PYTHONPATH=$(CURDIR)/_ext \
 	  $(BIN)/jupyter-book build . --config _build/_config.yml --builder singlehtml --warningiserror --keep-going
-	$(BIN)/python tools/build_pdf.py
+	$(BIN)/python tools/build_pdf.py --out _build/pdf/book.pdf
+
+# The PDF, then its counts recorded in records/pdf.json and quoted in CONTRIBUTING.md (for a maintainer).
+pdf-numbers: pdf
+	cp _build/pdf/book.json records/pdf.json
 	$(BIN)/python tools/readme_numbers.py --write
 
 # Unit tests (tests/) and nbval over every notebook (book/), in parallel; settings in pyproject.toml.
@@ -122,8 +141,9 @@ sweep: setup
 
 # Every benchmark under the environment of every other target ($(RUN)); each prints that environment
 # above its table and records both in benchmarks/results/NAME.json; then the README's tables are rewritten
-# from the records (tools/readme_numbers.py).
-BENCHMARKS := bench_adamw bench_muon bench_zero1 bench_fsdp2 bench_compiled_step bench_newton_schulz bench_contract_overhead
+# from the records (tools/readme_numbers.py: README.md, CONTRIBUTING.md, benchmarks/README.md).
+BENCHMARKS := bench_adamw bench_muon bench_zero1 bench_fsdp2 bench_compiled_step bench_newton_schulz bench_contract_overhead \
+              bench_quickstart bench_limits
 bench: setup
 	$(foreach b,$(BENCHMARKS),$(RUN) $(BIN)/python benchmarks/$(b).py &&) true
 	$(BIN)/python tools/readme_numbers.py --write
@@ -139,7 +159,8 @@ clean:
 
 # One prepared check for a machine with a CUDA GPU (a CUDA build of torch: `make torch-cuda`): Newton-Schulz
 # TFLOP/s against the measured bf16 matmul rate, the symmetric Gram kernel against bmm, Gram against standard
-# Newton-Schulz (tools/gpu_check.py: _build/gpu_check.json and one verdict line), nbval of chapters 5, 6 and 15
+# Newton-Schulz (tools/gpu_check.py: _build/gpu_check.json and one verdict line; a FAIL stops here with exit
+# status 1), nbval of chapters 5, 6 and 15
 # on the GPU, and the ZeRO-1 demo over NCCL under torchrun on every visible GPU. `make gpu-check DRY_RUN=1`
 # runs the same script end to end on a CPU with small shapes and no verdict (CI runs it).
 DRY_RUN ?=
@@ -164,3 +185,12 @@ conformance: setup
 	$(BIN)/python -m pip install --quiet --target _build/extpkgs --no-deps --upgrade gram-newton-schulz==0.1.6
 	$(RUN) OPTBOOK_EXTERNAL_PACKAGES=$(CURDIR)/_build/extpkgs OPTBOOK_REQUIRE_EXTERNAL=1 \
 	  $(BIN)/python -m pytest -q -o addopts="" -n 0 -rs tests/test_gram_newton_schulz.py -k dao_ailab
+
+# PyTorch's generic optimizer checks on every optbook class (tests/torch_suite/: our checks mirroring torch's
+# TestOptimRenewed, run on torch's OptimizerInfo entries with optbook's classes swapped in, and on entries of our
+# own), with torch's own classes as the control. Prints the pass counts; fails unless the control passes every
+# check and optbook passes the control's count minus the documented deviations (DEVIATIONS in
+# tests/torch_suite/torch_suite_infos.py). Not part of `make test` (minutes on 2 cores).
+.PHONY: torch-suite
+torch-suite: setup
+	$(RUN) $(BIN)/python -m pytest -q -p no:cacheprovider -o addopts="" -n $(JOBS) tests/torch_suite/

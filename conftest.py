@@ -3,6 +3,9 @@
 Notebooks listed in ``sweeps/pending.txt`` have measured claims that have not yet been through the seed
 and kernel sweep (see ``sweeps/README.md``): their stored trajectory numbers match only the CPU they were
 executed on, so nbval does not run them until they are converted. The list is meant to shrink to nothing.
+
+nbval's timeouts (a cell's, a kernel's start; ``pyproject.toml`` sets the cell's base value) are scaled by
+the one setting behind every timeout of the tests, ``OPTBOOK_TEST_TIMEOUT_SCALE`` (``tests/helpers.py``).
 """
 
 from pathlib import Path
@@ -20,6 +23,23 @@ def pending_notebooks() -> dict[str, str]:
             stem, _, reason = line.partition(":")
             out[stem.strip()] = reason.strip()
     return out
+
+
+def _timeout_scale() -> float:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_optbook_test_helpers", ROOT / "tests" / "helpers.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    return helpers.TIMEOUT_SCALE
+
+
+def pytest_configure(config):
+    """Scale nbval's cell and kernel-start timeouts by ``OPTBOOK_TEST_TIMEOUT_SCALE``."""
+    scale = _timeout_scale()
+    for name in ("nbval_cell_timeout", "nbval_kernel_startup_timeout"):
+        if getattr(config.option, name, None):
+            setattr(config.option, name, getattr(config.option, name) * scale)
 
 
 collect_ignore = [f"book/{stem}.ipynb" for stem in pending_notebooks()]

@@ -15,6 +15,8 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
 (function () {
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
+  // The drawing is as many units wide as the figure has CSS pixels (640 at most, 340 at least), so its
+  // 13-unit labels stay about 13 px tall on a phone too instead of shrinking with a 640-unit drawing.
   var W = 640, H = 360, M = {l: 64, r: 16, t: 30, b: 46};
 
   function el(name, attrs, parent) {
@@ -54,12 +56,26 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     return String(+v.toPrecision(6));
   }
 
+  // A label at either end of the x axis is moved inward until it lies inside the drawing (the last
+  // tick's label, centred on the plot's right edge, was cut off by the SVG's border).
+  function keepInside(text) {
+    var box;
+    try { box = text.getBBox(); } catch (e) { return; }
+    if (!box.width) return;
+    var x = +text.getAttribute("x");
+    if (box.x + box.width > W - 1) text.setAttribute("x", x - (box.x + box.width - (W - 1)));
+    else if (box.x < 1) text.setAttribute("x", x + 1 - box.x);
+  }
+
   function draw(fig, spec, index) {
     var svg = fig.querySelector("svg");
     while (svg.firstChild) svg.removeChild(svg.firstChild);
     var frame = spec.frames[index];
     var series = (spec.fixed || []).concat(frame.series);
-    var legendRows = Math.ceil(series.length / 2);
+    W = Math.round(Math.max(340, Math.min(640, fig.clientWidth || 640)));
+    H = Math.round(Math.max(280, W * 0.5625));
+    var columns = W < 480 ? 1 : 2;
+    var legendRows = Math.ceil(series.length / columns);
     var height = H + 18 * legendRows;
     svg.setAttribute("viewBox", "0 0 " + W + " " + height);
     var sx = scale(spec.xlim, spec.xlog, M.l, W - M.r), sy = scale(spec.ylim, spec.ylog, H - M.b, M.t);
@@ -68,7 +84,9 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     ticks(spec.xlim, spec.xlog).forEach(function (v) {
       var x = sx(v);
       el("line", {x1: x, x2: x, y1: M.t, y2: H - M.b, stroke: "#ddd"}, axes);
-      el("text", {x: x, y: H - M.b + 16, "text-anchor": "middle"}, axes).textContent = label(v, spec.xlog);
+      var tick = el("text", {x: x, y: H - M.b + 16, "text-anchor": "middle"}, axes);
+      tick.textContent = label(v, spec.xlog);
+      keepInside(tick);
     });
     ticks(spec.ylim, spec.ylog).forEach(function (v) {
       var y = sy(v);
@@ -78,8 +96,14 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     el("text", {x: (M.l + W - M.r) / 2, y: H - 8, "text-anchor": "middle"}, axes).textContent = spec.xlabel;
     el("text", {x: 14, y: (M.t + H - M.b) / 2, "text-anchor": "middle",
                 transform: "rotate(-90 14 " + (M.t + H - M.b) / 2 + ")"}, axes).textContent = spec.ylabel;
-    el("text", {x: (M.l + W - M.r) / 2, y: 18, "text-anchor": "middle", "font-weight": "bold"}, axes)
-      .textContent = spec.title;
+    var title = el("text", {x: W / 2, y: 18, "text-anchor": "middle", "font-weight": "bold"}, axes);
+    title.textContent = spec.title;
+    try {  // a title longer than the drawing is set narrower
+      if (title.getComputedTextLength() > W - 8) {
+        title.setAttribute("textLength", W - 8);
+        title.setAttribute("lengthAdjust", "spacingAndGlyphs");
+      }
+    } catch (e) { /* not laid out (hidden): drawn again when shown */ }
     var clip = "clip" + Math.random().toString(36).slice(2);
     var defs = el("defs", {}, svg);
     el("rect", {x: M.l, y: M.t, width: W - M.l - M.r, height: H - M.t - M.b}, el("clipPath", {id: clip}, defs));
@@ -93,7 +117,7 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
       });
       el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000", "stroke-width": 2,
                       "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
-      var lx = M.l + (i % 2) * (W - M.l) / 2, ly = H + 4 + 18 * Math.floor(i / 2);
+      var lx = M.l + (i % columns) * (W - M.l) / 2, ly = H + 4 + 18 * Math.floor(i / columns);
       el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
                   "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
       el("text", {x: lx + 34, y: ly + 4}, axes).textContent = s.name;
@@ -124,6 +148,11 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     fig.appendChild(svg);
     input.addEventListener("input", function () { draw(fig, spec, +input.value); });
     draw(fig, spec, +input.value);
+    var pending = null;
+    window.addEventListener("resize", function () {
+      clearTimeout(pending);
+      pending = setTimeout(function () { draw(fig, spec, +input.value); }, 100);
+    });
   }
 
   function start() { document.querySelectorAll(".optbook-interactive").forEach(setup); }

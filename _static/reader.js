@@ -7,14 +7,15 @@
    button only showed its tooltip. Each visible button here forwards its click to the bound one, where
    sphinx-book-theme's own handler collapses the sidebar on wide screens instead.
 2. Formulas wider than the column (display equations, and inline ones longer than a line) are scaled
-   down to fit it (to no less than 60 %), after MathJax has typeset them and again when the window
-   changes size.
-3. Code lines longer than the column wrap with a hanging indent (the continuation starts four columns
-   right of the line's own indentation) instead of at column 0. Each line of a cell's source becomes a
-   block of its own; a block whose highlighting spans several lines (a docstring) is left as it is.
-4. Multi-panel figures (an image at least 1.8 times as wide as tall) keep a readable height in a narrow
-   column: below 600 px of column they are drawn PANEL_HEIGHT px tall, as wide as that makes them, in a
-   box of their own that scrolls sideways (swipe to see the next panel); wider columns show them whole.
+   down from the size MathJax chose (its font-size on the formula's box, e.g. 127.3 %, which matches the
+   text's x-height) to fit it, to no less than 80 % of that size; a formula that still does not fit
+   scrolls sideways in its own box (custom.css). Formulas that fit keep MathJax's size. Done after
+   MathJax has typeset them and again when the window changes size.
+3. The page-contents drawer (a dialog on narrow screens) closes once a section in it is picked: the
+   link only scrolls this page, and the open drawer hid the section the reader asked for.
+4. Tables that a script did not wrap (pydata-sphinx-theme wraps those of the text) scroll sideways in a
+   box of their own, so that their words never break.
+Code scrolls sideways inside its box (custom.css): a line is never wrapped.
 */
 (function () {
   "use strict";
@@ -38,67 +39,53 @@
     });
   }
 
-  function hangingIndents() {
-    document.querySelectorAll("div.cell_input div.highlight pre, div.highlight-python pre, div.highlight-ipython3 pre")
-      .forEach(function (pre) {
-        if (pre.dataset.lines) return;
-        var lines = pre.innerHTML.split("\n");
-        var balanced = lines.every(function (line) {
-          return (line.match(/<span\b/g) || []).length === (line.match(/<\/span>/g) || []).length;
-        });
-        if (!balanced) return;
-        if (lines.length && lines[lines.length - 1] === "") lines.pop();
-        pre.innerHTML = lines.map(function (line) {
-          var text = line.replace(/<[^>]*>/g, "");
-          var indent = text.length - text.replace(/^ +/, "").length + 4;
-          return '<span class="code-line" style="padding-left:' + indent + "ch;text-indent:-" + indent + 'ch">' +
-            line + "\n</span>";
-        }).join("");
-        pre.dataset.lines = "1";
-      });
-  }
+  var MIN_SCALE = 0.8;
 
-  var MIN_SCALE = 0.6;
-
+  // Each formula's own size from MathJax, kept in data-mjx-size, is the 100 % that fitting scales.
   function fitEquations() {
     document.querySelectorAll("mjx-container").forEach(function (box) {
       var math = box.querySelector("mjx-math");
       if (!math) return;
-      box.style.fontSize = "";
+      if (box.dataset.mjxSize === undefined) box.dataset.mjxSize = box.style.fontSize || "";
+      var base = box.dataset.mjxSize;
+      box.style.fontSize = base;
+      delete box.dataset.fitted;
       var display = box.getAttribute("display") === "true";
       var column = display ? box : box.parentElement.closest("p, li, dd, td, div, figcaption");
       if (!column) return;
       var room = column.getBoundingClientRect().width;
       var need = math.getBoundingClientRect().width;
       if (room > 0 && need > room) {
-        box.style.fontSize = Math.max(MIN_SCALE, Math.floor((room / need) * 1000) / 1000) * 100 + "%";
+        var factor = Math.max(MIN_SCALE, Math.floor((room / need) * 1000) / 1000);
+        box.style.fontSize = (parseFloat(base) || 100) * factor + "%";
+        box.dataset.fitted = String(factor);
+        // still too wide at the floor: an inline formula scrolls in its own box (custom.css)
+        box.classList.toggle("math-scroll", !display && math.getBoundingClientRect().width > room + 1);
+      } else {
+        box.classList.remove("math-scroll");
       }
     });
   }
 
-  var PANEL_HEIGHT = 240, WIDE = 1.8, NARROW = 600;
+  function closeDrawerOnPick() {
+    var dialog = document.getElementById("pst-secondary-sidebar-modal");
+    if (!dialog) return;
+    dialog.addEventListener("click", function (event) {
+      var link = event.target.closest && event.target.closest("a[href]");
+      if (link && dialog.open && (link.getAttribute("href") || "").charAt(0) === "#") dialog.close();
+    });
+  }
 
-  function readableFigures() {
-    document.querySelectorAll(".cell_output img").forEach(function (img) {
-      function fit() {
-        var ratio = img.naturalWidth / img.naturalHeight;
-        if (!(ratio >= WIDE)) return;
-        var box = img.parentElement;
-        if (!box.classList.contains("figure-scroll")) {
-          box = document.createElement("div");
-          box.className = "figure-scroll";
-          img.parentElement.insertBefore(box, img);
-          box.appendChild(img);
-          img.classList.add("multi-panel");
-        }
-        var room = box.clientWidth;
-        var want = Math.min(img.naturalWidth, Math.round(PANEL_HEIGHT * ratio));
-        var narrow = room > 0 && room < NARROW && want > room;
-        img.style.width = narrow ? want + "px" : "";
-        img.style.maxWidth = narrow ? "none" : "";
+  function scrollingTables() {
+    document.querySelectorAll(".bd-article table").forEach(function (table) {
+      for (var a = table.parentElement; a && !a.classList.contains("bd-article"); a = a.parentElement) {
+        var x = getComputedStyle(a).overflowX;
+        if (x === "auto" || x === "scroll") return;
       }
-      if (img.complete && img.naturalWidth) fit();
-      else img.addEventListener("load", fit);
+      var box = document.createElement("div");
+      box.className = "table-scroll";
+      table.parentElement.insertBefore(box, table);
+      box.appendChild(table);
     });
   }
 
@@ -112,13 +99,13 @@
 
   function start() {
     forwardToggles();
-    hangingIndents();
-    readableFigures();
+    closeDrawerOnPick();
+    scrollingTables();
     whenTypeset(fitEquations, 100);
     var pending = null;
     window.addEventListener("resize", function () {
       clearTimeout(pending);
-      pending = setTimeout(function () { fitEquations(); readableFigures(); }, 100);
+      pending = setTimeout(fitEquations, 100);
     });
   }
 

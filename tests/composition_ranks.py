@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import scaled_timeout
 from torch import nn
 
 from optbook.clipping import clip_grad_norm_
@@ -522,7 +523,7 @@ def checkpoint_file(directory: str, index: int) -> str:
 #: Seconds a collective of one cell waits. A wrapper that raises during a step on some ranks only leaves the
 #: others waiting in a collective of that cell's own process group; they give up after this, and every rank
 #: meets the others in a barrier (on a group that waits longer) before the next cell, so the suite goes on.
-CELL_TIMEOUT = 20.0
+CELL_TIMEOUT = scaled_timeout(20.0)
 
 
 def distributed_suite(rank: int, world_size: int, directory: str) -> None:

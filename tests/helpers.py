@@ -1,8 +1,22 @@
 """Shared test fixtures: a reproducible multi-group problem to drive optimizers side by side."""
 
 import copy
+import os
 
 import torch
+
+#: The one setting behind every timeout of the tests (a launch's collective timeout, a subprocess's limit, a
+#: wait for a worker): each is a base value in seconds, sized for an idle 2-core machine, times this factor.
+#: ``OPTBOOK_TEST_TIMEOUT_SCALE`` (default 3: room for a machine shared with other jobs) sets it; a timeout
+#: only bounds how long a hung run waits before it fails, so a generous one costs nothing when all is well.
+TIMEOUT_SCALE = float(os.environ.get("OPTBOOK_TEST_TIMEOUT_SCALE", "3"))
+if not TIMEOUT_SCALE > 0:
+    raise ValueError(f"OPTBOOK_TEST_TIMEOUT_SCALE must be a number > 0, got {TIMEOUT_SCALE}")
+
+
+def scaled_timeout(seconds: float) -> float:
+    """``seconds`` (a timeout's base value) times :data:`TIMEOUT_SCALE` (``OPTBOOK_TEST_TIMEOUT_SCALE``)."""
+    return seconds * TIMEOUT_SCALE
 
 
 def make_params(seed=0, dtype=torch.float64):
@@ -51,18 +65,29 @@ def toc_files(toc: dict) -> list[str]:
     return [toc["root"]] + [f for part in toc.get("parts", []) for f in walk(part["chapters"])]
 
 
+#: The pages that hold generated sections (``<!-- NAME:start -->`` ... ``<!-- NAME:end -->``): the README and
+#: the book's API page (the step contract and the composition matrix moved there from the README).
+GENERATED_PAGES = ("README.md", "book/api_contract.md", "CONTRIBUTING.md", "benchmarks/README.md")
+
+
 def check_readme_section(name: str, generated: str, path=None) -> None:
-    """Compare the README's section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with
-    ``generated`` (the section's body); ``OPTBOOK_UPDATE_README=1`` rewrites the section instead."""
+    """Compare the section between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` of the page that holds it
+    (``path``, else the one of :data:`GENERATED_PAGES` with the markers) with ``generated`` (the section's
+    body); ``OPTBOOK_UPDATE_README=1`` rewrites the section instead."""
     import os
     import pathlib
 
-    path = pathlib.Path(path or pathlib.Path(__file__).resolve().parent.parent / "README.md")
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if path is None:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        holders = [root / p for p in GENERATED_PAGES if (root / p).is_file() and start in (root / p).read_text()]
+        assert len(holders) == 1, f"the section {name} should be on exactly one of {GENERATED_PAGES}: {holders}"
+        path = holders[0]
+    path = pathlib.Path(path)
     text = path.read_text()
     i, j = text.index(start) + len(start), text.index(end)
     body = "\n" + generated.strip("\n") + "\n"
     if os.environ.get("OPTBOOK_UPDATE_README") == "1":
         path.write_text(text[:i] + body + text[j:])
     else:
-        assert text[i:j] == body, f"{path.name}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"
+        assert text[i:j] == body, f"{path}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"

@@ -65,3 +65,24 @@ def test_remeasuring_under_the_budget_passes(monkeypatch):
 def test_rounding():
     assert [chapter_times.rounded(s) for s in (0.4, 37.4, 118, 121, 186, 240)] == [
         "5 s", "35 s", "2 min", "2 min", "3 min 10 s", "4 min"]
+
+
+def test_the_preface_states_the_run_times_of_the_record():
+    """One source for run times: the Preface's sentence (range, longest chapters, budget) is generated from
+    book/runtimes.json like the chapter headers and the README's summary (it said chapters 7 and 8 took
+    about 2 min 10 s each, the longest, while the record and the headers said otherwise)."""
+    nb = json.loads(chapter_times.PREFACE.read_text(encoding="utf-8"))
+    source = "".join(chapter_times.preface_cell(nb)["source"])
+    assert source == chapter_times.expected_preface(source, RECORD), (
+        "the Preface's run times disagree with book/runtimes.json: run .venv/bin/python tools/chapter_times.py --write")
+    longest = max(RECORD, key=lambda k: RECORD[k]["seconds"])
+    assert f"about\n{chapter_times.rounded(RECORD[longest]['seconds'])} ({{doc}}`{longest}`)" in source
+
+
+def test_the_readme_quotes_the_same_rounded_times_as_the_headers():
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("<!-- numbers:chapter-times -->"):readme.index("<!-- /numbers:chapter-times -->")]
+    quoted = re.findall(r"(\w+) \(about ([^)]+)\)", block)
+    assert quoted and all(chapter_times.rounded(RECORD[k]["seconds"]) == v for k, v in quoted), quoted

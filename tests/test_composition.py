@@ -42,7 +42,7 @@ from composition_ranks import (
     reference_run,
     run_cell,
 )
-from helpers import check_readme_section
+from helpers import check_readme_section, scaled_timeout
 
 from optbook.distributed import launch
 
@@ -59,7 +59,7 @@ TOLERANCE = {False: 1e-12, True: 1e-6}
 
 #: The collective timeout of a launch; the whole launch must end within it plus 30 s (10-60 s here; each cell
 #: that raises during a step on some ranks only adds CELL_TIMEOUT = 20 s).
-LAUNCH_TIMEOUT = 240.0
+LAUNCH_TIMEOUT = scaled_timeout(240.0)
 
 #: Combinations refused by design: (pattern the error message must contain, the reason shown in the table).
 NOT_ELEMENTWISE = (r"element", "not element-wise")

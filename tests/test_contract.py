@@ -11,7 +11,7 @@ live in ``contract_workers.py`` (the launched processes import them by name).
 
 import pytest
 from contract_workers import DISTRIBUTED, SINGLE_PROCESS, distributed_reports, row_report
-from helpers import check_readme_section
+from helpers import check_readme_section, scaled_timeout
 
 from optbook import contract
 from optbook.distributed import launch
@@ -44,7 +44,7 @@ def test_single_process_row(kind):
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     """{kind: [rank 0's report, rank 1's]} from one launch of 2 gloo processes."""
-    out = launch(distributed_reports, 2, timeout=60.0)
+    out = launch(distributed_reports, 2, timeout=scaled_timeout(60.0))
     return {kind: [out[r][kind] for r in range(2)] for kind in DISTRIBUTED}
 
 

@@ -1,4 +1,4 @@
-"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all thirteen classes.
+"""Contracts every optimizer of :mod:`optbook.optim` keeps, run over all fourteen classes.
 
 A ``step()`` that raises leaves parameters, state and step counts bitwise as they were; a tensor ``lr``
 gives bitwise the float-``lr`` result; a zero-element parameter is skipped; an old state dict without a
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Dion, Lion, Muon, NorMuon,
+from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdaMuon, AdamW, Dion, Dion2, Lion, Muon, NorMuon,
                            ScheduleFreeAdamW, Scion, Shampoo)
 
 # one configuration per class that exercises momentum, decay and every state tensor
@@ -26,6 +26,7 @@ FACTORIES = {
     "NorMuon": lambda ps, **kw: NorMuon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
     "AdaMuon": lambda ps, **kw: AdaMuon(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
     "Dion": lambda ps, **kw: Dion(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
+    "Dion2": lambda ps, **kw: Dion2(ps, **{"lr": 0.02, "weight_decay": 0.1, "fraction": 0.5, **kw}),
     "Scion": lambda ps, **kw: Scion(ps, **{"lr": 0.02, "weight_decay": 0.1, **kw}),
     "ScheduleFreeAdamW": lambda ps, **kw: ScheduleFreeAdamW(ps, **{"lr": 0.01, "weight_decay": 0.1,
                                                                    "warmup_steps": 2, **kw}),
@@ -134,6 +135,7 @@ FLOAT_OPTIONS = {
     "NorMuon": dict(momentum=0.9, beta2=0.9, weight_decay=0.1, eps=1e-6, extra_scale_factor=0.5),
     "AdaMuon": dict(momentum=0.9, beta2=0.99, weight_decay=0.1, eps=1e-6, extra_scale_factor=0.3),
     "Dion": dict(momentum=0.9, weight_decay=0.1, eps=1e-6),
+    "Dion2": dict(ef_decay=0.9, weight_decay=0.1, eps=1e-6),
     "Scion": dict(momentum=0.8, weight_decay=0.1, radius=2.0),
     "ScheduleFreeAdamW": dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, r=0.5, weight_lr_power=1.5),
 }
@@ -167,7 +169,8 @@ def test_every_real_hyperparameter_given_as_a_tensor_gives_bitwise_the_float_res
 def test_a_tensor_hyperparameter_with_several_elements_is_refused_in_the_constructor_by_name(name):
     for key, value in FLOAT_OPTIONS[name].items():
         bad = (torch.tensor([value[0]] * 2),) + value[1:] if isinstance(value, tuple) else torch.tensor([value] * 2)
-        with pytest.raises(TypeError, match=rf"Invalid {key}"):
+        # ValueError with torch.optim's words, as torch raises it (TypeError before)
+        with pytest.raises(ValueError, match=rf"Invalid {key}.*Tensor {key}(\[0\])? must be 1-element"):
             make(name, matrices(), **{key: bad})
 
 
@@ -209,6 +212,9 @@ BAD_EDITS = {
     "AdaMuon": [("beta2", -0.1, "beta2"), ("eps", 0.0, "eps"), ("ns_steps", 0, "steps")],
     "Dion": [("rank_fraction", 0.0, "rank_fraction"), ("q_update", "qr", "q_update"),
              ("momentum", 1.0, "momentum")],
+    "Dion2": [("fraction", 0.0, "fraction"), ("fraction", 1.5, "fraction"), ("ef_decay", 1.5, "ef_decay"),
+              ("ns_dtype", "bf16", "ns_dtype"), ("scale_mode", "big", "scale_mode"), ("ns_steps", 0, "ns_steps"),
+              ("coefficients", "nope", "coefficients")],
     "Scion": [("norm", "nuclear", "norm"), ("radius", 0.0, "radius"), ("momentum", 1.5, "momentum")],
     "ScheduleFreeAdamW": [("betas", (1.0, 0.9), "betas"), ("warmup_steps", -1, "warmup_steps"),
                           ("eps", 0.0, "eps")],
@@ -529,7 +535,7 @@ def _bad_dicts(name, saved):
              (two_groups, ValueError, "2 param_groups"), (one_param, ValueError, "1 parameters"),
              (short, ValueError, rf"state\[1\]\['{key}'\] \(param_groups\[0\]\['params'\]\[1\], shape \(3, 5\)\) has shape"), (wrong_dtype, ValueError, "float32"),
              (bad_group, ValueError, "lr"), ("state", TypeError, "dict")]
-    if name not in ("Muon", "SGD", "Lion", "Scion"):   # their one state tensor: without it the state is empty
+    if name not in ("Muon", "SGD", "Lion", "Scion", "Dion2"):   # their one state tensor: without it the state is empty
         cases.append((missing, ValueError, f"no '{key}'"))
     # a step count or running sum that is missing, not a number or negative used to load and make the next
     # step fail halfway; a key the class does not keep means a state dict of another optimizer

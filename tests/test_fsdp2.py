@@ -12,11 +12,12 @@ import pytest
 from fsdp2_ranks import ELEMENTWISE, elementwise_run, nonfinite_run, refusal_run
 
 from optbook.distributed import launch
+from helpers import scaled_timeout
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def elementwise_reports(request):
-    return request.param, launch(elementwise_run, request.param, timeout=240.0)
+    return request.param, launch(elementwise_run, request.param, timeout=scaled_timeout(240.0))
 
 
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
@@ -37,7 +38,7 @@ def test_the_problem_has_empty_shards_at_3_and_4_ranks(elementwise_reports):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_nan_in_one_shard_stops_every_rank_before_any_write(world_size):
-    reports = launch(nonfinite_run, world_size, timeout=120.0)
+    reports = launch(nonfinite_run, world_size, timeout=scaled_timeout(120.0))
     assert [r["holds_nan_locally"] for r in reports] == [False] * (world_size - 1) + [True]
     for r in reports:
         assert r["message"] is not None and "param_groups[0]['params'][0]" in r["message"]
@@ -46,7 +47,7 @@ def test_a_nan_in_one_shard_stops_every_rank_before_any_write(world_size):
 
 
 def test_whole_matrix_optimizers_refuse_sharded_parameters():
-    for report in launch(refusal_run, 2, timeout=120.0):
+    for report in launch(refusal_run, 2, timeout=scaled_timeout(120.0)):
         for name in ("Muon", "Adafactor"):
             assert report[name] is not None and "DTensor" in report[name] and name in report[name]
 
@@ -56,7 +57,7 @@ def test_whole_matrix_optimizers_refuse_sharded_parameters():
 def test_fsdp2_muon_is_bitwise_single_process_muon(world_size):
     from fsdp2_ranks import muon_run
 
-    reports = launch(muon_run, world_size, timeout=240.0)
+    reports = launch(muon_run, world_size, timeout=scaled_timeout(240.0))
     for r in reports:
         assert r["diff"] == 0.0 and r["state"], r
         assert r["ns_calls"] == 3 * r["owned"]   # each owned matrix once per step
@@ -69,7 +70,7 @@ def test_fsdp2_muon_is_bitwise_muon_with_even_shards_and_a_batched_tall_and_wide
     matrix's update, a transposed view, is copied into shards."""
     from fsdp2_ranks import muon_run
 
-    reports = launch(muon_run, world_size, pairs=True, timeout=240.0)
+    reports = launch(muon_run, world_size, pairs=True, timeout=scaled_timeout(240.0))
     for r in reports:
         assert r["diff"] == 0.0 and r["state"], r
         assert r["ns_calls"] == 3 * r["owned"]
@@ -79,7 +80,7 @@ def test_fsdp2_muon_is_bitwise_muon_with_even_shards_and_a_batched_tall_and_wide
 def test_fsdp2_muon_orthogonalises_once_per_step_whatever_the_accumulation():
     from fsdp2_ranks import muon_run
 
-    reports = launch(muon_run, 3, accumulate=4, timeout=240.0)
+    reports = launch(muon_run, 3, accumulate=4, timeout=scaled_timeout(240.0))
     assert [r["ns_calls"] for r in reports] == [3 * r["owned"] for r in reports]
     assert all(r["diff"] == 0.0 for r in reports)
 
@@ -87,7 +88,7 @@ def test_fsdp2_muon_orthogonalises_once_per_step_whatever_the_accumulation():
 def test_fsdp2_muon_clips_by_the_norm_of_the_unsharded_gradient():
     from fsdp2_ranks import muon_run
 
-    reports = launch(muon_run, 3, max_grad_norm=0.05, timeout=240.0)
+    reports = launch(muon_run, 3, max_grad_norm=0.05, timeout=scaled_timeout(240.0))
     norms = {r["last_grad_norm"] for r in reports}
     assert len(norms) == 1 and next(iter(norms)) > 0.05   # the clip acted, the same norm on every rank
     # the norm is summed over shards in another order than the reference's: equal to rounding
@@ -97,7 +98,7 @@ def test_fsdp2_muon_clips_by_the_norm_of_the_unsharded_gradient():
 def test_fsdp2_muon_refuses_plain_tensors_and_stops_every_rank_on_a_nan():
     from fsdp2_ranks import muon_refusals
 
-    for r in launch(muon_refusals, 2, timeout=120.0):
+    for r in launch(muon_refusals, 2, timeout=scaled_timeout(120.0)):
         assert r["plain"] is not None and "not a DTensor" in r["plain"]
         assert r["nonfinite"] is not None and "inf" in r["nonfinite"] and r["unchanged"]
 
@@ -106,7 +107,7 @@ def test_fsdp2_muon_agrees_on_inputs_over_the_mesh_and_reads_tensor_hyperparamet
     from fsdp2_ranks import muon_input_agreement
 
     # a short collective timeout: a rank left waiting in a gather would fail the launch, not hang the test
-    reports = launch(muon_input_agreement, 2, timeout=20.0)
+    reports = launch(muon_input_agreement, 2, timeout=scaled_timeout(20.0))
     for rank, r in enumerate(reports):
         assert r["tensor_hyperparameters"] == 0.0  # one-element tensor lr, momentum, weight_decay: as plain Muon
         err, unchanged = r["bad_lr_on_last_rank"]
@@ -123,7 +124,7 @@ def test_fsdp2_muon_agrees_on_inputs_over_the_mesh_and_reads_tensor_hyperparamet
 def test_qk_clip_on_sharded_attention_weights_is_the_single_process_clip(world_size):
     from fsdp2_ranks import qk_clip_run
 
-    for r in launch(qk_clip_run, world_size, timeout=240.0):
+    for r in launch(qk_clip_run, world_size, timeout=scaled_timeout(240.0)):
         assert r["maxima_diff"] < 1e-12      # the per-rank maxima, reduced, are the whole batch's
         assert r["clipped"] > 0 and r["weights_equal"], r
 
@@ -137,6 +138,6 @@ def test_dcp_checkpoint_resumes_at_another_world_size_and_in_one_process(tmp_pat
 
     ckpt = str(tmp_path / "ckpt")
     for phase, world_size in (("save", 2), ("resume", 3), ("single", 1)):
-        for r in launch(dcp_run, world_size, ckpt_dir=ckpt, phase=phase, timeout=240.0):
+        for r in launch(dcp_run, world_size, ckpt_dir=ckpt, phase=phase, timeout=scaled_timeout(240.0)):
             assert r["equal"] and r["momentum"], (phase, world_size, r)
             assert r["steps"] == (2 if phase == "save" else 4)

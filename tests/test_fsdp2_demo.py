@@ -12,6 +12,7 @@ import pytest
 from fsdp2_ranks import clip_on_shards
 from optbook.distributed import launch
 from optbook.distributed.demo import run
+from helpers import scaled_timeout
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -21,7 +22,7 @@ def test_torchrun_fsdp2_demo_trains_muon_and_adamw_on_shards():
            "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "optbook.distributed.demo", "--fsdp2", "--steps", "4"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled_timeout(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "FSDP2 demo: 2 rank(s), backend gloo" in out and "on 12 matrices" in out
@@ -45,7 +46,7 @@ def test_nproc_fsdp2_demo_shards_the_state_and_orthogonalises_each_matrix_once_p
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_clip_grad_norm_on_dtensor_shards_is_the_single_process_clip(world_size):
-    for r in launch(clip_on_shards, world_size, timeout=180.0):
+    for r in launch(clip_on_shards, world_size, timeout=scaled_timeout(180.0)):
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-12 * r["ref_norm"] and r["ref_norm"] > 0.05
         assert r["grads_close"]
         assert r["refused_without_group"] == (world_size > 1) and r["untouched_after_refusal"]

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "install_torch.py"
@@ -45,7 +46,7 @@ def run(venv, *args, index_url="http://127.0.0.1:9/whl/cpu", **env):
     """Run the tool; port 9 (discard) on localhost refuses the connection at once: an unreachable index."""
     full = {**os.environ, "STUB_LOG": str(venv / "pip.log"), "OPTBOOK_TORCH_CPU_INDEX": index_url, **env}
     out = subprocess.run([sys.executable, str(TOOL), "--venv", str(venv), "--timeout", "2", *args],
-                         capture_output=True, text=True, env=full, timeout=60)
+                         capture_output=True, text=True, env=full, timeout=scaled_timeout(60))
     log = (venv / "pip.log").read_text().splitlines() if (venv / "pip.log").exists() else []
     return out, log
 

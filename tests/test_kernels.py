@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from optbook import newton_schulz  # noqa: E402
 from optbook.bench import run_benchmark  # noqa: E402
 from optbook.kernels import gram_backend, gram_poly, gram_xxt  # noqa: E402
+from helpers import scaled_timeout  # noqa: E402
 
 SMALL = (16, 16)
 EPS32 = torch.finfo(torch.float32).eps
@@ -285,7 +286,7 @@ def test_importing_the_kernels_module_does_not_import_triton():
             "assert optbook.kernels.gram_backend(torch.ones(1, 1)) == 'torch'")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled_timeout(120))
     assert done.returncode == 0, done.stderr
 
 

@@ -15,6 +15,7 @@ from muon_rank_programs import MUON_SUITE_GROUPS, chain_reference_shapes, contra
 
 from optbook.distributed import launch
 from optbook.distributed.muon_workers import muon_reference
+from helpers import scaled_timeout
 
 SIZES = [2, 3, 4]
 KINDS = ["moonlight", "layerwise"]
@@ -23,7 +24,7 @@ KINDS = ["moonlight", "layerwise"]
 @pytest.fixture(scope="module")
 def runs():
     """{world size: [group rank 0's report, rank 1's, ...]} from one launch of 4 processes."""
-    reports = launch(contract_suite, 4, timeout=120.0)
+    reports = launch(contract_suite, 4, timeout=scaled_timeout(120.0))
     return {size: [reports[g][size] for g in ranks] for size, ranks in MUON_SUITE_GROUPS.items()}
 
 

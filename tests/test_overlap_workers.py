@@ -8,6 +8,7 @@ import torch
 
 from optbook.distributed import launch
 from optbook.distributed.overlap_workers import MODES, overlap_forward, overlap_model
+from helpers import scaled_timeout
 
 
 def _flat(model):
@@ -17,7 +18,7 @@ def _flat(model):
 def test_three_gloo_ranks_overlapped_forward_is_bitwise_the_synchronous_one_and_follows_the_schedule(
         monkeypatch):
     monkeypatch.setenv("OPTBOOK_SEED_OFFSET", "1009")  # inherited by the spawned workers
-    reports = launch(overlap_forward, 3, layers=4, width=40, batch=6, repeats=1, seed=5, timeout=60.0)
+    reports = launch(overlap_forward, 3, layers=4, width=40, batch=6, repeats=1, seed=5, timeout=scaled_timeout(60.0))
     model = overlap_model(4, 40, seed=5)                # shifted by the same offset in this process
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5 + 1 + 1009))
     threads = torch.get_num_threads()

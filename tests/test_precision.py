@@ -14,6 +14,7 @@ import torch
 from optbook.contract import NonFiniteGradientError
 from optbook.optim import SGD, Adam, AdamW, Lion
 from optbook.precision import ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer
+from helpers import scaled_timeout
 
 INF = math.inf
 
@@ -153,7 +154,8 @@ def test_skipped_iterations_keep_the_parameter_and_the_schedule():
 
 
 def snapshot(opt, model_params, sched):
-    state = copy.deepcopy(opt.optimizer.state_dict())
+    sd = opt.state_dict()   # the wrapper's groups hold the hyperparameters (optbook.masters); the scaler moves
+    state = copy.deepcopy({"state": sd["state"], "param_groups": sd["param_groups"]})
     return ([t.detach().clone() for t in model_params], [m.detach().clone() for m in opt.master_params()], state,
             sched.state_dict(), [g["lr"] for g in opt.param_groups])
 
@@ -289,8 +291,10 @@ def test_masters_replace_low_precision_params_in_the_inner_groups():
     f = torch.zeros(2, requires_grad=True)
     inner = AdamW([{"params": [h, f]}, {"params": [b], "weight_decay": 0.0}])
     opt = MixedPrecisionOptimizer(inner, ConstantLossScaler(8.0))
-    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
-    g0, g1 = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+    # the wrapper's groups hold the model's parameters (what schedulers and DCP see), the inner ones the masters
+    assert opt.param_groups[0]["params"] == [h, f] and opt.param_groups[1]["params"] == [b]
+    assert opt.defaults is inner.defaults
+    g0, g1 = inner.param_groups[0]["params"], inner.param_groups[1]["params"]
     assert g0[0] is not h and g0[0].dtype == torch.float32 and g0[1] is f and g1[0].dtype == torch.float32
     assert [m.dtype for m in opt.master_params()] == [torch.float32] * 2
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -298,8 +302,13 @@ def test_masters_replace_low_precision_params_in_the_inner_groups():
         p.grad = torch.ones_like(p) * 8
     assert opt.step() is None and not opt.found_inf
     sched.step()
-    assert inner.param_groups[0]["lr"] == 5e-4
+    assert opt.param_groups[0]["lr"] == 5e-4 and inner.param_groups[0]["lr"] == 1e-3   # the inner's at the next step
     assert set(inner.state) == {g0[0], g0[1], g1[0]} and f.grad.eq(1).all()  # fp32 grad unscaled in place
+    assert set(map(id, opt.state)) == {id(h), id(f), id(b)} and opt.state[h] is inner.state[g0[0]]
+    for p in (h, b, f):
+        p.grad = torch.ones_like(p) * 8
+    opt.step()
+    assert inner.param_groups[0]["lr"] == 5e-4
     opt.zero_grad()
     assert all(p.grad is None for p in (h, b, f, *opt.master_params()))
 
@@ -314,8 +323,9 @@ def test_add_param_group_gives_the_new_low_precision_params_masters():
         opt.add_param_group({"params": [a], "lr": -1.0})
     assert opt.master_params() == [] and len(opt.param_groups) == 1
     opt.add_param_group({"params": [a], "lr": 2**-4})
-    master = opt.param_groups[1]["params"][0]
-    assert opt.master_params() == [master] and master.dtype == torch.float32
+    master = opt.optimizer.param_groups[1]["params"][0]
+    assert opt.param_groups[1]["params"][0] is a
+    assert len(opt.master_params()) == 1 and opt.master_params()[0] is master and master.dtype == torch.float32
     a.grad = torch.ones(2, dtype=torch.bfloat16)
     assert opt.step() is None and not opt.found_inf and torch.equal(a, torch.full((2,), 1 - 2**-4, dtype=torch.bfloat16))
 
@@ -348,7 +358,15 @@ def test_global_clip_runs_on_unscaled_main_grads(monkeypatch):
         calls.append(([p.dtype for p in params], max_norm))
         return _clip_with_torch(params, max_norm)
 
-    monkeypatch.setitem(sys.modules, "optbook.clipping", types.SimpleNamespace(clip_grad_norm_=fake))
+    import optbook.clipping
+    import optbook.wrapper
+    real = optbook.clipping.get_grad_norm
+
+    def fake(params, group=None):   # the wrapper takes the norm once, then scales (optbook.wrapper.clip_grads)
+        calls.append(([p.grad.dtype for p in params], 1.0))
+        return real(params, group)
+
+    monkeypatch.setattr(optbook.wrapper, "get_grad_norm", fake)
     a = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     c = torch.zeros(1, requires_grad=True)
     opt = MixedPrecisionOptimizer(SGD([a, c], lr=1.0), ConstantLossScaler(4.0), max_grad_norm=1.0)
@@ -529,9 +547,9 @@ def test_load_state_dict_checks_before_writing():
     W, b = bf16_pair()
     opt, _ = _build(W, b)
     sd = copy.deepcopy(opt.state_dict())
-    sd["master_params"] = sd["master_params"][:1]
+    sd["state"][0]["master_param"] = sd["state"][0]["master_param"][:1]   # the masters' layout: optbook.masters
     W0 = W.detach().clone()
-    with pytest.raises(ValueError, match="master parameters"):
+    with pytest.raises(ValueError, match=r"master_param.*shape"):
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())
     sd["loss_scaler"] = None
@@ -539,7 +557,7 @@ def test_load_state_dict_checks_before_writing():
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())
     sd["loss_scaler"]["scale"] = -1.0
-    sd["optimizer"]["param_groups"][0]["lr"] = 123.0
+    sd["param_groups"][0]["lr"] = 123.0
     with pytest.raises(ValueError, match="scale"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] != 123.0 and opt.loss_scale == 2.0**12
@@ -549,5 +567,5 @@ def test_load_state_dict_checks_before_writing():
 def test_import_needs_torch_only():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = "import optbook.precision, sys; assert not {'matplotlib', 'sklearn'} & set(sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=scaled_timeout(120))
     assert done.returncode == 0, done.stderr

@@ -13,6 +13,7 @@ from optbook.models import TinyTransformer
 from optbook.optim import SGD, AdamW, ChainedOptimizer, Muon
 from optbook.precision import (FLOAT32_MAX, ConstantLossScaler, DynamicLossScaler, MixedPrecisionOptimizer,
                                unscale_grads_)
+from helpers import scaled_timeout
 
 TAU = 5.0
 
@@ -186,7 +187,7 @@ def _mp(shapes, dtype=torch.bfloat16, groups=1):
 
 def _wrong_dtype(sd):
     sd = copy.deepcopy(sd)
-    sd["optimizer"]["state"][0]["exp_avg"] = sd["optimizer"]["state"][0]["exp_avg"].long()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].long()
     return sd
 
 
@@ -401,8 +402,8 @@ def test_an_optimizer_is_wrapped_once():
         MixedPrecisionOptimizer(inner)
 
 
-@pytest.mark.parametrize("bad, words", [(lambda m: m.to(torch.bfloat16), "expected float32"),
-                                        (lambda m: m.double(), "expected float32"),
+@pytest.mark.parametrize("bad, words", [(lambda m: m.to(torch.bfloat16), "expected a torch.float32"),
+                                        (lambda m: m.double(), "expected a torch.float32"),
                                         (lambda m: torch.full_like(m, float("nan")), "inf or NaN")])
 def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
     w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
@@ -410,7 +411,7 @@ def test_a_master_of_another_dtype_or_not_finite_is_refused_on_load(bad, words):
     w.grad = torch.ones_like(w)
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    saved["master_params"][0] = bad(saved["master_params"][0])
+    saved["state"][0]["master_param"] = bad(saved["state"][0]["master_param"])   # optbook.masters' layout
     before = opt.master_params()[0].clone()
     with pytest.raises(ValueError, match=words):
         opt.load_state_dict(saved)
@@ -435,7 +436,7 @@ def test_distributed_optimizers_are_refused_inside_mixed_precision_and_a_chain()
     from contract_workers import refused_compositions
     from optbook.distributed import launch
 
-    out = launch(refused_compositions, 1, timeout=60.0)[0]
+    out = launch(refused_compositions, 1, timeout=scaled_timeout(60.0))[0]
     for name in ("LayerWiseMuon", "DistributedOptimizer"):
         assert f"Invalid optimizer: {name} " in out[f"MixedPrecisionOptimizer({name})"]
         assert "instead of the tensors in its param_groups" in out[f"MixedPrecisionOptimizer({name})"]

@@ -44,3 +44,37 @@ def test_admonition_removal_is_exact():
     assert removed == 1
     assert "".join(student["cells"][0]["source"]) == "### Exercise 1\n\nProve it.\n\n\n### Exercise 2\n"
     assert "Because" in "".join(nb["cells"][0]["source"])   # the input is not modified
+
+
+def test_student_branch_for_launch_buttons(tmp_path):
+    """The student copy names the branch its launch buttons open, is that branch's whole content (Binder
+    installs its requirements.txt, which takes the package from the book's branch: there is no src/), and
+    the site extension turns the record into the theme's repository branch."""
+    out = tmp_path / "src"
+    student_build.build(out)
+    record = json.loads((out / student_build.MARKER).read_text())
+    assert record == {"branch": "student", "path_to_book": ""}
+    requirements = (out / "requirements.txt").read_text()
+    assert not re.search(r"(?m)^-e \.", requirements)
+    assert "optbook @ git+https://github.com/optbook/optimizers-derived@main" in requirements
+    assert (out / "book" / "02_adam.ipynb").is_file() and (out / "_config.yml").is_file()
+
+    spec = importlib.util.spec_from_file_location("optbook_site", ROOT / "_ext" / "optbook_site.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(html_theme_options={"repository_url": "u", "repository_branch": "main"})
+    site.student_launch_buttons(SimpleNamespace(srcdir=str(out)), config)
+    assert config.html_theme_options["repository_branch"] == "student"
+    assert config.html_theme_options["path_to_docs"] == ""
+    book = SimpleNamespace(html_theme_options={"repository_branch": "main"})
+    site.student_launch_buttons(SimpleNamespace(srcdir=str(ROOT)), book)  # the book itself: unchanged
+    assert book.html_theme_options == {"repository_branch": "main"}
+
+
+def test_student_branch_is_not_the_books(tmp_path):
+    with pytest.raises(ValueError, match="branch='main'"):
+        student_build.build(tmp_path / "src", branch="main")
+    with pytest.raises(ValueError, match="branch=''"):
+        student_build.build(tmp_path / "src", branch="")

@@ -14,13 +14,14 @@ import torch
 from zero1_ranks import CONTRACT_GROUPS, ROW_FACTOR, contract_suite, scalar_reference
 
 from optbook.distributed import launch
+from helpers import scaled_timeout
 
 SIZES = [2, 3, 4]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    out = launch(contract_suite, 4, timeout=120.0)
+    out = launch(contract_suite, 4, timeout=scaled_timeout(120.0))
     return {size: [out[g][size] for g in ranks] for size, ranks in CONTRACT_GROUPS.items()}
 
 

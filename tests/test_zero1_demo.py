@@ -11,6 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from optbook.distributed.demo import main, run
+from helpers import scaled_timeout
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -20,7 +21,7 @@ def test_torchrun_with_two_processes_trains_and_ends_with_identical_parameters()
            "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "optbook.distributed.demo", "--steps", "4"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled_timeout(240))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "ZeRO-1 demo: 2 rank(s), backend gloo" in out and "torch.float32" in out

@@ -7,10 +7,15 @@ and then runs this script, which opens that page in headless Chromium (Debian's 
 formula, and saves ``_build/pdf/book.pdf`` with Chromium's print-to-PDF. No LaTeX installation is needed;
 the PDF looks like the web page (figures, numbered equations, code), with the sidebar hidden for print.
 
-The script fails (exit 1) when MathJax did not finish, when a formula was left as raw TeX, or when an
-image did not load, so that a PDF with raw ``\\begin{aligned}`` in it is never written silently.
+The script fails (exit 1, one line naming the cause, no traceback) when MathJax did not finish, when a
+formula was left as raw TeX, when an image did not load, or when Chromium or its driver gave up or could not
+start, so that a PDF with raw ``\\begin{aligned}`` in it is never written silently.
 
-    python tools/build_pdf.py [--site _build/singlehtml] [--out _build/pdf/book.pdf]
+It writes only under ``_build``: the PDF and, next to it, what the README quotes about it (pages, formulas,
+notebooks, the commit built) in ``_build/pdf/book.json``. ``make pdf-numbers`` copies that record to
+``records/pdf.json`` and rewrites the quoted numbers (``--record records/pdf.json`` here).
+
+    python tools/build_pdf.py [--site _build/singlehtml] [--out _build/pdf/book.pdf] [--record PATH]
 """
 
 from __future__ import annotations
@@ -137,32 +142,59 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--site", type=Path, default=ROOT / "_build" / "singlehtml")
     parser.add_argument("--out", type=Path, default=ROOT / "_build" / "pdf" / "book.pdf")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="where to write the record (default: next to --out, as .json)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds Chromium may take per stage (600)")
     args = parser.parse_args(argv)
     try:
-        result = build_pdf(args.site, args.out)
+        result = build_pdf(args.site, args.out, args.timeout)
     except (FileNotFoundError, RuntimeError) as err:
         print(f"PDF not written: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # noqa: BLE001 -- Selenium's and its HTTP client's errors (a driver that did not start, a timeout)
+        if type(err).__module__.split(".")[0] not in ("selenium", "urllib3"):
+            raise
+        message = (getattr(err, "msg", None) or str(err)).strip().splitlines()[0]
+        print(f"PDF not written: Chromium failed ({type(err).__name__}: {message}). On a busy machine, "
+              f"give it longer: .venv/bin/python tools/build_pdf.py --timeout {2 * args.timeout:.0f}", file=sys.stderr)
+        return 1
     print(f"{args.out}: {result['bytes'] / 1e6:.1f} MB; {result['typeset']} formulas typeset "
           f"in {result['seconds_to_typeset']} s")
-    record(args.out, result)
+    record(args.out, result, args.record or args.out.with_suffix(".json"))
     return 0
 
 
-def record(pdf: Path, result: dict, path: Path = ROOT / "records" / "pdf.json") -> None:
-    """Keep what the README quotes about the PDF (pages, formulas, seconds, chapters) in ``records/pdf.json``."""
+def toc_pages(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """``(notebooks, other pages)`` of ``_toc.yml``: the entries that are ``.ipynb`` files and the rest
+    (Markdown pages such as the appendix and the references)."""
+    import re
+
+    entries = re.findall(r"(?m)^\s*(?:root|-\s*file):\s*(\S+)", (root / "_toc.yml").read_text())
+    notebooks = [e for e in entries if (root / f"{e}.ipynb").is_file()]
+    return notebooks, [e for e in entries if e not in notebooks]
+
+
+def record(pdf: Path, result: dict, path: Path) -> dict:
+    """Write what the README quotes about the PDF (pages, formulas, seconds, notebooks and other pages of the
+    table of contents, the commit built) to ``path`` (``_build/pdf/book.json``; ``records/pdf.json`` only when
+    asked, by ``make pdf-numbers``)."""
     import datetime
     import json
     import os
     import re
+    import subprocess
 
     pages = len(re.findall(rb"/Type\s*/Page(?![a-zA-Z])", pdf.read_bytes()))
-    chapters = sorted({m for m in re.findall(r"book/(\w+)", (ROOT / "_toc.yml").read_text())})
+    notebooks, other = toc_pages()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    rec = {"pages": pages, "formulas": result["typeset"], "seconds_to_typeset": result["seconds_to_typeset"],
+           "notebooks": len(notebooks), "other_pages": len(other), "commit": commit,
+           "date": datetime.date.today().isoformat(), "cores": os.cpu_count()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pages": pages, "formulas": result["typeset"],
-                                "seconds_to_typeset": result["seconds_to_typeset"], "notebooks": len(chapters),
-                                "date": datetime.date.today().isoformat(), "cores": os.cpu_count()}, indent=1) + "\n")
-    print(f"{pages} pages, {result['typeset']} formulas; recorded in {path.relative_to(ROOT)}")
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"{pages} pages, {result['typeset']} formulas; recorded in {path}")
+    return rec
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ the reason; one that is re-measured under the budget simply passes). Re-measure 
     .venv/bin/python tools/chapter_times.py --measure [book/05_newton_schulz.ipynb ...]   # update runtimes.json
     .venv/bin/python tools/chapter_times.py --write                                       # headers from runtimes.json
 
-Headers are edited as Markdown text: outputs stay as they are, so no re-execution is needed.
+Headers are edited as Markdown text: outputs stay as they are, so no re-execution is needed. ``--write``
+also writes the Preface's sentence on run times (:func:`preface_sentence`: the range and the longest
+chapters), and the README's summary comes from the same record (``tools/readme_numbers.py``): one source.
 """
 
 from __future__ import annotations
@@ -75,6 +77,37 @@ def measure(paths: list[Path]) -> dict:
     return record
 
 
+PREFACE = ROOT / "book" / "00_preface.ipynb"
+#: The Preface's sentence on run times, from its fixed start to the end of the sentence.
+PREFACE_RE = re.compile(r"Each chapter states under its title how long it took to execute.*?the longest\.", re.S)
+
+
+def preface_sentence(record: dict) -> str:
+    """The Preface's sentence on run times from ``record`` (``book/runtimes.json``): the shortest and longest
+    chapters with the rounded times their headers show, and the chapters over :data:`BUDGET`."""
+    seconds = {k: v["seconds"] for k, v in record.items()}
+    order = sorted(seconds, key=seconds.get)
+    cores = "/".join(str(c) for c in sorted({v["cores"] for v in record.values()}))
+    over = [k for k in order if seconds[k] > BUDGET]
+    budget = (f"{len(over)} over the {BUDGET // 60}-minute budget" if over else
+              f"every one within the {BUDGET // 60}-minute budget")
+    return (f"Each chapter states under its title how long it took to execute, measured on a {cores}-core CPU "
+            f"without\na GPU (and without bf16 matrix instructions): from about {rounded(seconds[order[0]])} "
+            f"({{doc}}`{order[0]}`) to about\n{rounded(seconds[order[-1]])} ({{doc}}`{order[-1]}`), "
+            f"{budget}; {{doc}}`{order[-2]}` (about {rounded(seconds[order[-2]])}) is\nnext to the longest.")
+
+
+def expected_preface(source: str, record: dict) -> str:
+    """The Preface's Markdown cell ``source`` with its run-time sentence set from ``record``."""
+    if not PREFACE_RE.search(source):
+        raise ValueError("the Preface has no sentence starting 'Each chapter states under its title how long'")
+    return PREFACE_RE.sub(lambda m: preface_sentence(record), source, count=1)
+
+
+def preface_cell(nb: dict) -> dict:
+    return next(c for c in nb["cells"] if c["cell_type"] == "markdown" and PREFACE_RE.search("".join(c["source"])))
+
+
 def expected_first_cell(source: str, entry: dict) -> str:
     """The first Markdown cell with its run-time line (after the title line) set from ``entry``."""
     body = HEADER_RE.sub("", source)
@@ -97,6 +130,14 @@ def write_headers() -> None:
             cell["source"] = new.splitlines(keepends=True)
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             print(f"{path.name}: header set to {header(record[path.stem]).strip()}")
+    nb = json.loads(PREFACE.read_text(encoding="utf-8"))
+    cell = preface_cell(nb)
+    old = "".join(cell["source"])
+    new = expected_preface(old, record)
+    if new != old:
+        cell["source"] = new.splitlines(keepends=True)
+        PREFACE.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"{PREFACE.name}: run-time sentence set from {RECORD.name}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ warm-up, CUDA-synchronised):
    1.29x at 4:1 and 1.44x at 8:1 with the default restarts; a symmetric kernel for the m x m products
    would add more).
 
-Writes a JSON report (``--json``, default ``gpu_check.json``) and prints one verdict line. ``--dry-run``
+Writes a JSON report (``--json``, default ``gpu_check.json``) and prints one verdict line; the exit status
+is 1 when the verdict is FAIL (a target missed), so that ``make gpu-check`` fails with it. ``--dry-run``
 runs the same code on the CPU with small shapes (seconds; ``TRITON_INTERPRET=1`` so that the Triton
 kernel itself runs when triton is installed): every path is exercised, no verdict is given on targets.
 
@@ -105,5 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def exit_status(report: dict) -> int:
+    """0 for a PASS or a dry run, 1 for a FAIL verdict (a target missed or not measured)."""
+    return 1 if report["verdict"].startswith("VERDICT: FAIL") else 0
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(exit_status(main()))

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Write the README's measured numbers from the records the repository keeps, so they cannot go stale.
+"""Write the measured numbers that the README, CONTRIBUTING.md, benchmarks/README.md (the current table of each
+benchmark) and records/README.md (the earlier runs) quote, from the records the repository keeps, so they
+cannot go stale.
 
-Every number the README quotes from a run sits between two marker lines, ``<!-- numbers:KEY -->`` and
-``<!-- /numbers:KEY -->``, and is generated from one record:
+Every number these pages quote from a run sits between two marker lines, ``<!-- numbers:KEY -->`` and
+``<!-- /numbers:KEY -->`` (in any of :data:`PAGES`), and is generated from one record:
 
 =======================  =================================================================================
 KEY                      record (written by)
@@ -10,12 +12,14 @@ KEY                      record (written by)
 ``tests``                ``records/tests.json`` (``--record-tests``: pytest's collection of ``make test``)
 ``chapter-times``        ``book/runtimes.json`` (``tools/chapter_times.py --measure``)
 ``bench:NAME``           ``benchmarks/results/NAME.json`` (``make bench``: each benchmark writes its own)
+``quickstart``           ``benchmarks/results/bench_quickstart.json`` (the package quick start's run time)
 ``muon-runs``            the ``history`` of ``benchmarks/results/bench_muon.json``
 ``zero1-targets``        the ``history`` of ``benchmarks/results/bench_zero1.json``
 ``adamw-runs``           the ``history`` of ``benchmarks/results/bench_adamw.json``
 ``compiled-runs``        the ``history`` of ``benchmarks/results/bench_compiled_step.json``
 ``fsdp2-runs``           the ``history`` of ``benchmarks/results/bench_fsdp2.json``
-``pdf``                  ``records/pdf.json`` (``make pdf``: ``tools/build_pdf.py``)
+``limits-runs``          every run of ``benchmarks/results/bench_limits.json`` (its ``history`` and the record)
+``pdf``                  ``records/pdf.json`` (``make pdf-numbers``: ``tools/build_pdf.py``'s record)
 ``book-link``            ``repository.url`` in ``_config.yml`` (the GitHub Pages address of the built book)
 ``install``              ``repository.url`` (the package's install lines)
 ``citation``             ``CITATION.cff`` (a BibTeX entry), whose ``repository-code`` and ``url`` follow
@@ -24,8 +28,8 @@ KEY                      record (written by)
 
 ::
 
-    python tools/readme_numbers.py --check          # exit 1 (and a diff) when the README disagrees
-    python tools/readme_numbers.py --write          # rewrite the marked blocks from the records
+    python tools/readme_numbers.py --check          # exit 1 (and a diff) when a page disagrees
+    python tools/readme_numbers.py --write          # rewrite the marked blocks of every page from the records
     python tools/readme_numbers.py --record-tests   # re-count the tests (pytest --collect-only), then --write
 
 ``tests/test_readme.py`` runs the check.
@@ -45,11 +49,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The pages with ``numbers:`` blocks.
+PAGES = (README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md", ROOT / "records" / "README.md")
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ROOT / "records"
 BLOCK_RE = re.compile(r"(<!-- numbers:(?P<key>[\w:-]+) -->\n)(?P<body>.*?)(<!-- /numbers:(?P=key) -->)", re.S)
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tools")]
-from chapter_times import BUDGET  # noqa: E402  (the chapters' run-time budget, one copy)
+from chapter_times import BUDGET, rounded  # noqa: E402  (the chapters' run-time budget and rounding, one copy)
 from recording import describe  # noqa: E402  (the benchmarks' environment line, one copy)
 from set_repository_url import config_url  # noqa: E402
 
@@ -136,6 +142,31 @@ def compiled_runs() -> str:
     return "Earlier: " + "; ".join(parts) + ".\n"
 
 
+def limits_runs() -> str:
+    rec = load(RESULTS / "bench_limits.json")
+    runs = rec.get("history", []) + [{"environment": rec["environment"], "data": rec["data"],
+                                      "what": "the table in benchmarks/README.md"}]
+
+    def span(values):
+        return f"{min(values):.2f}-{max(values):.2f}" if values else "n/a"
+
+    rows = []
+    for run in runs:
+        d, env = run["data"], run["environment"]
+        vs = d["elementwise"]["vs_limit"]
+        ns = d["newton_schulz"]
+        rows.append([env["date"], run["what"], f"{d.get('load_average_start', env['load_average_1min'])}",
+                     f"{max(d['elementwise']['bandwidth_gb_s'].values()):.1f}",
+                     span([v for k, v in vs.items() if k.endswith("optbook eager")]),
+                     span([v for k, v in vs.items() if k.endswith("torch fused")]),
+                     span([v for k, v in vs.items() if k.endswith("optbook compiled")]),
+                     span([v for k, v in ns.items() if k.endswith("float32")]),
+                     span([v for k, v in ns.items() if k.endswith("bfloat16")])])
+    return markdown_table(["date", "run", "load average at the end", "best pass GB/s", "optbook eager / limit",
+                           "torch fused / limit", "compiled / limit", "NS / GEMMs float32", "NS / GEMMs bfloat16"],
+                          rows)
+
+
 def tests_block() -> str:
     rec = load(RECORDS / "tests.json")
     return (f"`make test` collects {rec['collected']} tests (unit tests plus one per notebook cell; "
@@ -153,7 +184,7 @@ def chapter_times_block() -> str:
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     text = (f"The chapters' run times, one at a time (`book/runtimes.json`, measured {when} on a "
             f"{'/'.join(map(str, cores))}-core CPU), add up to {total / 60:.0f} min; the longest are "
-            + ", ".join(f"{k} ({seconds[k]:.0f} s)" for k in longest) + ". ")
+            + ", ".join(f"{k} (about {rounded(seconds[k])})" for k in longest) + ". ")
     text += (f"Over the {BUDGET} s budget: " + ", ".join(over) + "." if over else
              f"Every chapter fits the {BUDGET} s budget.")
     return text + "\n"
@@ -161,11 +192,27 @@ def chapter_times_block() -> str:
 
 def pdf_block() -> str:
     rec = load(RECORDS / "pdf.json")
-    what = (f"chapters {rec['chapters']}" if "chapters" in rec else f"{rec['notebooks']} notebooks")
-    time = (f"about {rec['minutes']} minutes in all" if "minutes" in rec
-            else f"{rec['seconds_to_typeset']:.0f} s to typeset")
-    return (f"Last recorded run ({rec['date']}, {rec['cores']} cores, {what}): {rec['pages']} pages, "
-            f"{rec['formulas']} formulas, {time} (`records/pdf.json`, rewritten by every `make pdf`).\n")
+    what = f"{rec['notebooks']} notebooks" + (f" and {rec['other_pages']} other pages" if "other_pages" in rec else
+                                               " (a count of the table of contents' pages, Markdown ones included)")
+    commit = f" at commit {rec['commit']}" if "commit" in rec else ", commit not recorded"
+    return (f"Last recorded run ({rec['date']}{commit}, {rec['cores']} cores, {what}): {rec['pages']} pages, "
+            f"{rec['formulas']} formulas, {rec['seconds_to_typeset']:.0f} s to typeset (`records/pdf.json`, "
+            "written by `make pdf-numbers`; `make pdf` writes only under `_build`).\n")
+
+
+def quickstart_block() -> str:
+    rec = load(RESULTS / "bench_quickstart.json")
+    s, env, data = rec["data"]["seconds"], rec["environment"], rec["data"]
+    load_range = f"{data['load_average_before']:.0f} before the runs, {data['load_average_after']:.0f} after"
+    return (f"How long: on a {env['cores']}-core {env['cpu']} shared with other jobs (load average {load_range}), "
+            f"the snippet took {s['OMP_WAIT_POLICY=PASSIVE']:.0f} s with `OMP_WAIT_POLICY=PASSIVE` set before "
+            f"Python starts (idle OpenMP threads sleep; every `make` target sets it), "
+            f"{s['torch.set_num_threads(1)']:.0f} s with `torch.set_num_threads(1)` added after "
+            f"`torch.manual_seed(0)`, and {s['as written']:.0f} s as written, where idle OpenMP threads spin and take "
+            f"the cores from the thread that has work (`benchmarks/bench_quickstart.py`, {env['date']}). Spinning "
+            "costs most when other jobs share the cores, as here: then `export OMP_WAIT_POLICY=PASSIVE` before "
+            "starting Python, or use one thread. The OpenMP runtime reads the variable once, when torch loads, so a package "
+            "imported after torch cannot set it.\n")
 
 
 def pages_url(url: str) -> str:
@@ -220,6 +267,7 @@ def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
     makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
+              "quickstart": quickstart_block, "limits-runs": limits_runs,
               "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "fsdp2-runs": fsdp2_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
     if key not in makers:
@@ -259,18 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.record_tests:
         print(f"records/tests.json: {record_tests()}")
     stale = 0
-    for path, make in ((README, render), (CITATION, citation_text)):
+    for path, make in [*((page, render) for page in PAGES), (CITATION, citation_text)]:
         text = path.read_text(encoding="utf-8")
         new = make(text)
         if new == text:
             continue
         if args.write or args.record_tests:
             path.write_text(new, encoding="utf-8")
-            print(f"{path.name}: rewritten from the records")
+            print(f"{path.relative_to(ROOT)}: rewritten from the records")
         else:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
                                                        path.name, f"{path.name} (from the records)"))
-            print(f"{path.name} disagrees with the records: run .venv/bin/python tools/readme_numbers.py --write",
+            print(f"{path.relative_to(ROOT)} disagrees with the records: run .venv/bin/python tools/readme_numbers.py --write",
                   file=sys.stderr)
             stale = 1
     return stale

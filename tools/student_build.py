@@ -15,6 +15,20 @@ contents, ``book/``, ``_static/``, ``_ext/``, the conformance table the appendix
 
     python tools/student_build.py            # write _build/student/src, print what was removed
     python tools/student_build.py --check    # exit 1 if some chapter has exercises but nothing to remove
+    python tools/student_build.py --branch student-2027   # launch buttons to another branch
+
+**Launch buttons.** The student site's Colab and Binder buttons must open the student notebooks, not
+the full ones that the repository's ``main`` holds. They open ``book/<chapter>.ipynb`` on the branch
+``student`` (``--branch``) of the repository in ``_config.yml``: ``_build/student/src`` is that branch's
+whole content (the notebooks without solutions, the configuration, and a ``requirements.txt`` that
+installs ``optbook`` from the main branch instead of ``-e .``, for Binder), to be pushed as it is, e.g.
+``git -C _build/student/src init -b student && git -C _build/student/src add -A && git -C
+_build/student/src commit -m student && git -C _build/student/src push --force <repository> student``.
+The branch is recorded in ``_build/student/src/_student.json``, which ``_ext/optbook_site.py`` reads
+when it builds that copy (``make student`` writes its own ``_config.yml`` from the book's, so the
+branch cannot live there); jupyter-book then builds
+``https://colab.research.google.com/github/<owner>/<name>/blob/student/book/<chapter>.ipynb`` and
+``https://mybinder.org/v2/gh/<owner>/<name>/student?urlpath=tree/book/<chapter>.ipynb``.
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "_build" / "student" / "src"
+BRANCH = "student"  # the repository branch that holds the student notebooks (see the docstring)
+MARKER = "_student.json"
 COPY = ["_config.yml", "_toc.yml", "_static", "_ext",
         "tests/conformance_table.md"]  # included by book/appendix_conformance.md
 
@@ -67,8 +83,34 @@ def has_exercises(nb: dict) -> bool:
                for cell in nb["cells"])
 
 
-def build(out: Path = OUT) -> dict[str, int]:
-    """Write the student copy to ``out``; returns ``{notebook name: solutions removed}``."""
+def _repository() -> tuple[str, str]:
+    """``(url, branch)`` of ``repository:`` in ``_config.yml`` (read without a YAML library)."""
+    text = (ROOT / "_config.yml").read_text(encoding="utf-8")
+    block = re.search(r"(?ms)^repository:\n((?:[ \t]+.*\n?)*)", text)
+    fields = dict(re.findall(r"(?m)^[ \t]+(\w+):[ \t]*\"?([^\"\n#]*?)\"?[ \t]*(?:#.*)?$", block.group(1) if block else ""))
+    return fields.get("url", "").rstrip("/"), fields.get("branch", "main") or "main"
+
+
+def student_requirements(text: str, url: str, branch: str) -> str:
+    """``requirements.txt`` for the student branch: ``-e .`` (there is no package there) becomes the
+    package from ``branch`` of ``url``."""
+    if not url:
+        raise ValueError("_config.yml has no repository url: the student branch cannot install optbook")
+    return re.sub(r"(?m)^-e \.[ \t]*$", f"optbook @ git+{url}@{branch}", text)
+
+
+def build(out: Path = OUT, branch: str = BRANCH) -> dict[str, int]:
+    """Write the student copy to ``out``; returns ``{notebook name: solutions removed}``. ``branch``:
+    the repository branch the student site's launch buttons open (recorded in ``out/_student.json``).
+
+    Raises:
+        ValueError: ``branch`` is empty or is the book's own branch (the buttons would open the full
+            notebooks), or ``_config.yml`` names no repository.
+    """
+    url, main_branch = _repository()
+    if not branch or branch == main_branch:
+        raise ValueError(f"branch={branch!r}: the student notebooks need a branch of their own, not "
+                         f"{main_branch!r}, which holds the notebooks with their solutions")
     if out.exists():
         shutil.rmtree(out)
     (out / "book").mkdir(parents=True)
@@ -87,12 +129,18 @@ def build(out: Path = OUT) -> dict[str, int]:
             report[path.name] = removed
         elif path.is_file():
             shutil.copy2(path, out / "book" / path.name)
+    (out / "requirements.txt").write_text(
+        student_requirements((ROOT / "requirements.txt").read_text(encoding="utf-8"), url, main_branch),
+        encoding="utf-8")
+    (out / MARKER).write_text(json.dumps({"branch": branch, "path_to_book": ""}) + "\n", encoding="utf-8")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only check that every chapter's solutions are found")
+    parser.add_argument("--branch", default=BRANCH, help="repository branch of the student notebooks "
+                        f"(the launch buttons open it; default {BRANCH})")
     args = parser.parse_args(argv)
     if args.check:
         missing = []
@@ -105,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("every chapter with exercises has solutions the student build removes")
         return 0
-    for name, removed in build().items():
+    for name, removed in build(branch=args.branch).items():
         print(f"{name}: {removed} solution block(s) removed")
     print(f"student copy written to {OUT.relative_to(ROOT)}")
     return 0

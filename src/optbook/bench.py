@@ -197,20 +197,19 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def _parse_dtypes(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    bad = [t for t in names if t not in _DTYPES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"Invalid --dtypes: {bad} not in {sorted(_DTYPES)}")
-    return names
+def _names(flag: str, allowed):
+    """An argparse type: a comma-separated list of names from ``allowed``, refused naming ``flag``."""
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",")]
+        bad = [t for t in names if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"Invalid {flag}: {bad} not in {sorted(allowed)}")
+        return names
+    return parse
 
 
-def _parse_paths(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",")]
-    bad = [t for t in names if t not in _PATHS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"Invalid --paths: {bad} not in {list(_PATHS)}")
-    return names
+_parse_dtypes = _names("--dtypes", _DTYPES)
+_parse_paths = _names("--paths", _PATHS)
 
 
 def _timer(device: torch.device):

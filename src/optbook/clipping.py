@@ -53,6 +53,7 @@ import math
 import torch
 
 from ._checks import check_bool, check_number
+from ._sharded import is_dtensor
 
 __all__ = ["REPLICATED", "clip_coefficient", "clip_grad_norm_", "get_grad_norm", "grad_sumsq", "scale_grads_"]
 
@@ -168,7 +169,6 @@ def _local_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], group) -> list[
         TypeError: a ``DTensor`` gradient with a placement that is not a ``Shard``.
         ValueError: a ``DTensor`` gradient on a mesh of several ranks and ``group`` is ``None``.
     """
-    from .optim._sharded import is_dtensor
 
     out = []
     for p, g in pairs:

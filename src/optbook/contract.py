@@ -2,7 +2,10 @@
 
 This module is the contract's home: its rules are written here once, and the pieces every class needs to
 follow them (the owner registry, the outside-write check, the non-finite error, the element-wise rule) are
-defined here and nowhere else.
+defined here and nowhere else. The step itself is written once too, as code: the template ``step()`` of
+:class:`optbook.wrapper.OptimizerWrapper`, which every wrapper subclasses (its phases after Megatron-LM's
+``prepare_grads`` -> clip -> ``step_with_ready_grads``), and :class:`optbook.masters.MastersWrapper` for the
+wrappers that keep a copy of the weights (one checkpoint layout for those copies).
 
 Who owns the weights
     The model's parameters are the weights the user sees. A wrapper that keeps its own copy of them -- the
@@ -49,7 +52,8 @@ What ``step()`` returns and reports
 
 What ``load_state_dict`` guarantees
     The whole dict is validated first -- parameter count, group layout, state shapes and dtypes, every
-    member of a chain -- and on any error nothing has been written.
+    member of a chain, every inner optimizer's part through its own ``check_state_dict``, every copy of the
+    weights (shape, dtype, no ``inf``/``NaN``) -- and on any error nothing has been written.
 
 Distributed wrappers
     At construction every rank's parameter shapes and dtypes are compared (one collective); a difference is

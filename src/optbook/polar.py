@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -174,10 +175,22 @@ def check_restarts(restarts) -> frozenset[int]:
 def _aol(X: torch.Tensor, A: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """AOL rescaling: ``D X`` and ``D A D`` with ``D = diag(1 / sqrt(sum_j |A_ij|))`` and ``A = X X^T``.
 
-    ``||D X||_2 <= 1`` for any ``X`` (Prach & Lampert 2022, *Almost-Orthogonal Layers*, Thm. 1: the
-    row sums of ``|D A D|`` are at most 1, so its spectral norm is too). The scales are computed in at
-    least float32 and each result is rounded once to ``X``'s dtype. A zero row keeps a zero scale
-    product (its sum is floored at ``eps``).
+    ``||D X||_2 <= 1`` for any ``X`` (Prach & Lampert 2022, *Almost-Orthogonal Layers*, Thm. 1). Proof:
+    ``D A D`` is similar to ``D^2 A = D (D A D) D^-1``, whose absolute row sums are exactly 1 (row ``i``
+    of ``A`` divided by its own absolute row sum); a matrix's spectral radius is at most its largest
+    absolute row sum, and for the symmetric positive semi-definite ``D A D`` the spectral radius is
+    ``||D A D||_2 = ||D X||_2^2``. (The row sums of ``|D A D|`` itself can exceed 1: 1.19 for
+    ``A = [[100, 9], [9, 1]]``.) The iteration then approximates the polar factor of ``D X``, which is
+    that of ``X`` exactly when ``D`` commutes with ``A``. Explained in chapter 15b (AOL preconditioning).
+
+    Args:
+        X: ``(batch, m, n)`` floating tensor, ``m <= n``.
+        A: ``X X^T``, ``(batch, m, m)``, same dtype as ``X``.
+        eps: floor of the absolute row sums (a zero row gets the finite scale ``eps ** -0.5``).
+
+    Returns:
+        ``(D X, D A D)`` in the dtypes of ``X`` and ``A``. The scales are computed in at least float32 and
+        each result is rounded once to its tensor's dtype; a zero row stays zero.
     """
     work = torch.promote_types(A.dtype, torch.float32)
     s = A.abs().sum(dim=-1, dtype=work).clamp_min(eps).rsqrt()           # (batch, m), summed in >= float32
@@ -462,14 +475,43 @@ def optimal_odd_quintic(lower: float, upper: float, max_iters: int = 100) -> tup
     raise RuntimeError(f"optimal_odd_quintic: the Remez exchange did not converge on [{lower}, {upper}]")
 
 
+def _real(value):
+    """``value`` as a Python float if it is a real number (NumPy and 0-d tensor scalars included; not a
+    bool), else ``None``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
+            value.ndim or value.dtype == torch.bool or value.is_complex())):
+        return None
+    if isinstance(value, (numbers.Real, torch.Tensor)):
+        return float(value)
+    return None
+
+
+def _got(value) -> str:
+    """``value`` for an error message, with its type when the repr does not show it."""
+    return f"{value!r} ({type(value).__name__})"
+
+
 def _polar_express(steps, lower_bound, safety, cushion):
-    check_int("steps", steps, 1)
-    if not (isinstance(lower_bound, (int, float)) and 0 < lower_bound <= 1):
-        raise ValueError(f"Invalid lower_bound: expected a number in (0, 1], got {lower_bound!r}")
-    if not (isinstance(safety, (int, float)) and math.isfinite(safety) and safety >= 1):
-        raise ValueError(f"Invalid safety: expected a finite number >= 1 (1 is none), got {safety!r}")
-    if not (isinstance(cushion, (int, float)) and 0 <= cushion < 1):
-        raise ValueError(f"Invalid cushion: expected a number in [0, 1), got {cushion!r}")
+    try:   # operator.index: an int, a NumPy integer or an integer 0-d tensor; never a float truncated
+        n_steps = None if isinstance(steps, bool) else operator.index(steps)
+    except TypeError:
+        n_steps = None
+    if n_steps is None:
+        raise TypeError(f"Invalid steps: expected an integer >= 1, got {_got(steps)}")
+    check_int("steps", n_steps, 1)
+    steps = n_steps
+    values = {}
+    for name, value, ok, expected in (
+            ("lower_bound", lower_bound, lambda x: 0 < x <= 1, "a number in (0, 1]"),
+            ("safety", safety, lambda x: math.isfinite(x) and x >= 1, "a finite number >= 1 (1 is none)"),
+            ("cushion", cushion, lambda x: 0 <= x < 1, "a number in [0, 1)")):
+        x = _real(value)
+        if x is None:
+            raise TypeError(f"Invalid {name}: expected {expected} (a real number), got {_got(value)}")
+        if not ok(x):
+            raise ValueError(f"Invalid {name}: expected {expected}, got {x!r}")
+        values[name] = x
+    lower_bound, safety, cushion = values["lower_bound"], values["safety"], values["cushion"]
     low, up = float(lower_bound), 1.0
     schedule = []
     for i in range(steps):
@@ -505,7 +547,8 @@ def polar_express_coefficients(steps: int = 5, lower_bound: float = POLAR_EXPRES
     ``coefficients.py``).
 
     Args:
-        steps: number of polynomials (int >= 1).
+        steps: number of polynomials (an integer >= 1: a Python int, a NumPy integer or an integer 0-d
+            tensor; a float such as ``5.0`` is refused, never truncated).
         lower_bound: the smallest singular value to bring up, after ``G / ||G||_F`` (in ``(0, 1]``).
         safety: input scale of every polynomial but the last (``>= 1``; 1 is none).
         cushion: relative floor of the fitting interval (``[0, 1)``; 0 is none).
@@ -515,13 +558,20 @@ def polar_express_coefficients(steps: int = 5, lower_bound: float = POLAR_EXPRES
     Returns:
         ``steps`` triples ``(a, b, c)`` (floats), for :func:`newton_schulz`'s ``coefficients``.
 
+    The real-valued arguments may be Python, NumPy or 0-d tensor scalars (read as Python floats).
+
     Raises:
         ValueError: an argument out of its range, naming it.
+        TypeError: an argument of the wrong kind (a float ``steps``, a string), naming it and its type.
     """
-    if not (isinstance(input_scale, (int, float)) and math.isfinite(input_scale) and input_scale > 0):
-        raise ValueError(f"Invalid input_scale: expected a finite number > 0, got {input_scale!r}")
+    s = _real(input_scale)
+    if s is None:
+        raise TypeError(f"Invalid input_scale: expected a finite number > 0 (a real number), "
+                         f"got {_got(input_scale)}")
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"Invalid input_scale: expected a finite number > 0, got {s!r}")
     schedule, _ = _polar_express(steps, lower_bound, safety, cushion)
-    (a, b, c), s = schedule[0], float(input_scale)
+    a, b, c = schedule[0]
     return ((a / s, b / s ** 3, c / s ** 5),) + schedule[1:]
 
 

@@ -5,13 +5,16 @@
 ``torchrun``. :class:`DistributedOptimizer` is ZeRO-1 (chapter 13): each rank keeps the optimizer state of
 one shard of a flat parameter buffer. The functions the chapters run on every rank live in
 :mod:`optbook.distributed.workers`: spawned processes import them by name, so they cannot be defined in a
-notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT bin packing;
-:mod:`~optbook.distributed.layerwise_muon`), :class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a
+notebook cell. Chapter 14: :class:`LayerWiseMuon` (whole matrices per rank, LPT bin packing of
+:mod:`~optbook.distributed.assignment`; :mod:`~optbook.distributed.layerwise_muon`), :class:`DistributedMuon` (Moonlight's ZeRO-1 shards with a
 gather of each full matrix; :mod:`~optbook.distributed.distributed_muon`), :class:`DistributedChain` (one
 global gradient norm with a ZeRO-1 AdamW; :mod:`~optbook.distributed.chain`) and
 :func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards). :class:`FSDP2Muon`: Muon on
 parameters sharded by PyTorch's FSDP2 (``fully_shard``), each matrix through an owner rank
 (:mod:`~optbook.distributed.fsdp2`).
+Each wrapper's step is made of public phases named as Megatron-LM's (``prepare_grads``, ``clip_grads``,
+``step_with_ready_grads``, ``publish_weights``), which :class:`DistributedChain` composes; what they agree on
+across ranks goes through one module, ``optbook.distributed._comm``.
 ``python -m optbook.distributed.demo`` (:mod:`optbook.distributed.demo`) trains a small
 transformer with :class:`DistributedOptimizer` under ``torchrun`` (NCCL or gloo), or on local gloo
 processes.

@@ -1,5 +1,5 @@
 """What LayerWiseMuon, DistributedMuon and FSDP2Muon share: Muon's orthogonalised update of full matrices,
-the Muon hyperparameters of a group, byte counting, the non-finite error, and the checkpoint helpers
+the Muon hyperparameters of a group, byte counting, and the checkpoint helpers
 (consolidation on one rank, the plain Muon state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
@@ -12,16 +12,14 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..contract import NonFiniteGradientError
 from ..optim.functional import muon
 from ..optim.muon import orthogonalized_blocks
 from .._checks import check_int, check_number
-from ..optim.optimizer import all_finite, check_hyperparameters
-from ._ranks import global_rank, params_difference
+from ..optim.optimizer import BookOptimizer, check_hyperparameters
+from ._comm import global_rank, params_difference
 
-__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate",
-           "consolidated_state", "first_nonfinite", "hyper", "nbytes", "nonfinite_error", "scaled_orthogonal",
-           "shard_parts"]
+__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate", "consolidated_state", "hyper",
+           "nbytes", "scaled_orthogonal", "shard_parts"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.functional.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
@@ -100,24 +98,8 @@ def check_muon_state_dict(state_dict, opt) -> int:
     skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", opt.skipped_steps), 0)
     # Everything the load itself checks (BookOptimizer.load_state_dict calls the same function), so that a
     # caller loading several optimizers (DistributedChain) can check each completely before loading any.
-    opt.check_state_dict({"state": saved_state, "param_groups": saved_groups})
+    BookOptimizer.check_state_dict(opt, {"state": saved_state, "param_groups": saved_groups})
     return skipped
-
-
-def first_nonfinite(tensors) -> int | None:
-    """The index of the first tensor of ``tensors`` (``None`` entries skipped) holding ``inf`` or ``NaN``,
-    or ``None``; one device synchronisation when all are finite."""
-    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel()]
-    if not present or all_finite([t for _, t in present]):
-        return None
-    return next(i for i, t in present if not bool(torch.isfinite(t).all()))
-
-
-def nonfinite_error(who: str, index: int, param: torch.Tensor) -> NonFiniteGradientError:
-    """The error of a step whose mean gradient of parameter ``index`` (param-group order) is not finite."""
-    return NonFiniteGradientError(f"{who}.step: the mean gradient of parameter {index} (shape "
-                                  f"{tuple(param.shape)}) holds inf or NaN, on every rank; nothing was changed "
-                                  "(without a loss scaler a non-finite gradient is an error: find its cause)")
 
 
 def consolidated_state(opt) -> dict:

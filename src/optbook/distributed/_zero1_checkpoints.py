@@ -21,7 +21,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from ._collectives import LOW_PRECISION, check_int
+from ._comm import LOW_PRECISION, check_int
 
 __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._collectives import check_int
+from ._comm import check_int
 
 __all__ = ["Bucket", "Layout", "ParamRange", "Piece", "is_power_of_two", "shard_layout"]
 

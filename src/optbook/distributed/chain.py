@@ -7,29 +7,30 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 import torch
 
 from ..clipping import clip_coefficient
-from ..contract import NonFiniteGradientError, closure_loss
-from .._checks import check_int
-from ._muon_common import check_max_grad_norm, check_muon_state_dict, nonfinite_error
-
-if TYPE_CHECKING:
-    from .layerwise_muon import LayerWiseMuon
+from ..contract import NonFiniteGradientError
+from ..wrapper import OptimizerWrapper
+from ._comm import check_int
+from ._muon_common import check_max_grad_norm
+from .fsdp2 import FSDP2Muon
+from .layerwise_muon import LayerWiseMuon
+from .zero1 import DistributedOptimizer
 
 __all__ = ["DistributedChain"]
 
 
-class DistributedChain(torch.optim.Optimizer):
+class DistributedChain(OptimizerWrapper):
     """A :class:`LayerWiseMuon` (matrices) and a ZeRO-1 ``DistributedOptimizer`` (AdamW for the rest) as one
     optimizer whose clip uses **one** global norm of the mean raw gradients of both.
 
     The norm is ``sqrt(S_muon + S_adamw)``: ``S_muon`` is the sum of squares of the all-reduced (replicated)
     Muon gradients, computed once on every rank with no further communication; ``S_adamw`` sums the
-    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.step(extra_grad_sumsq=
-    S_muon)``). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
+    squares of each rank's ZeRO-1 shard over the group (``DistributedOptimizer.grad_sumsq()``, one all-reduce,
+    the number ``DistributedOptimizer.step(extra_grad_sumsq=S_muon)`` adds ``S_muon`` to). Both members are then scaled by the same ``min(1, max_norm / (norm + 1e-6))``. The norm is
     that of the gradients, not of the orthogonalised updates (whose norm is fixed by Newton–Schulz and would
     make clipping meaningless). Without ``max_grad_norm`` the norm is still computed (``last_grad_norm``).
 
@@ -39,7 +40,8 @@ class DistributedChain(torch.optim.Optimizer):
             ``max_grad_norm=None`` and no loss scaler.
         max_grad_norm: ``None`` or a number ``> 0``.
 
-    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both.
+    ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both. The
+    step and state-dict hooks of ``torch.optim.Optimizer`` (``register_step_pre_hook``, ...) run as there.
     Checkpoints: :meth:`consolidate_state_dict` (a collective) then :meth:`state_dict` on the receiving rank
     gives ``{"muon": ..., "adamw": ..., "skipped_steps": ...}``; :meth:`load_state_dict` validates both
     members' dicts before either loads.
@@ -51,10 +53,26 @@ class DistributedChain(torch.optim.Optimizer):
     state dict)
     and ``last_grad_norm`` (the global norm before clipping, float).
 
-    Step order (a collective): Muon validates and all-reduces (nothing written; on bad input every rank
-    raises), AdamW reduce-scatters, clips by the shared norm and steps its shards, then Muon clips by the
-    same coefficient, steps the owned matrices and all-gathers. If AdamW raises, Muon has written nothing.
+    Step order (a collective), through the members' public phases only (Megatron-LM's names, also ``optbook.wrapper``'s,
+    after Megatron-LM's ``ChainedOptimizer``: every member's ``prepare_grads``, one clip, every member's
+    ``step_with_ready_grads``; ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0): ``prepare_grads()`` of
+    the Muon member (validate, all-reduce; on bad input or inf/NaN every rank raises, nothing written), then of
+    the AdamW member (validate, reduce-scatter; if it raises, the Muon member drops its prepared gradients:
+    nothing written); ``grad_sumsq()`` of both (the global norm above); ``scale_grads(c)`` of both;
+    ``step_with_ready_grads()`` of both; ``publish_weights()`` of both (the all-gathers). No member's
+    configuration (``max_grad_norm``, loss scaler) is changed; each one's ``last_grad_norm`` reports the chain's.
     Parameters of any shape, 0-dim ones included, go to the AdamW member (Muon refuses all but 2-D).
+
+    Precision: bfloat16 parameters get float32 masters in both members (ZeRO-1 keeps them for its shard,
+    LayerWiseMuon for the matrices a rank owns), so the chain on a bfloat16 model gives the numbers of
+    :class:`optbook.precision.MixedPrecisionOptimizer` around a single-process ``ChainedOptimizer([Muon,
+    AdamW])``.
+
+    FSDP2: this chain steps replicated parameters (data parallelism). Under ``fully_shard`` every rank
+    already holds its shard of the mean gradient: clip all of them by one norm with
+    :func:`optbook.clipping.clip_grad_norm_` ``(params, max_norm, group=mesh.get_group())``, then step
+    :class:`~optbook.distributed.FSDP2Muon` (matrices) and an element-wise optimizer (the rest) in turn;
+    this class refuses an ``FSDP2Muon`` member, naming that recipe.
 
     Raises:
         TypeError: a member of the wrong type.
@@ -62,10 +80,12 @@ class DistributedChain(torch.optim.Optimizer):
             bad ``max_grad_norm``.
     """
 
-    def __init__(self, muon: LayerWiseMuon, adamw, max_grad_norm=None):
-        from .layerwise_muon import LayerWiseMuon  # here: layerwise_muon re-exports this module's class
-        from .zero1 import DistributedOptimizer
-
+    def __init__(self, muon: LayerWiseMuon, adamw: DistributedOptimizer, max_grad_norm=None):
+        if isinstance(muon, FSDP2Muon):
+            raise TypeError("Invalid muon: DistributedChain takes a LayerWiseMuon (replicated parameters); under "
+                            "FSDP2 each rank already holds its shard of the mean gradient: clip every parameter by "
+                            "one norm with optbook.clipping.clip_grad_norm_(params, max_norm, "
+                            "group=mesh.get_group()), then step the FSDP2Muon and the element-wise optimizer in turn")
         if not isinstance(muon, LayerWiseMuon):
             raise TypeError(f"Invalid muon: expected a LayerWiseMuon, got {type(muon).__name__}")
         if not isinstance(adamw, DistributedOptimizer):
@@ -81,12 +101,9 @@ class DistributedChain(torch.optim.Optimizer):
         self.muon, self.adamw = muon, adamw
         self.optimizers = [muon, adamw]
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.last_grad_norm: float | None = None
-        self.found_inf, self.skipped_steps = False, 0
         self.defaults = {**adamw.defaults, **muon.defaults}
         self.state = {}  # the members keep their own (sharded) state
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
+        self._init_wrapper()   # hooks (the step's run by the template), found_inf, skipped_steps, last_grad_norm
 
     @property
     def param_groups(self) -> list[dict]:
@@ -96,51 +113,63 @@ class DistributedChain(torch.optim.Optimizer):
     def param_groups(self, value) -> None:
         raise AttributeError("DistributedChain.param_groups is the members' groups")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One chained step (a collective; class docstring).
+    def inner_optimizers(self) -> list:
+        return [self.muon, self.adamw]
+
+    # --- the phases of optbook.wrapper's template step (OptimizerWrapper.step) ---------------------------
+    def validate(self) -> None:
+        """Nothing here: each member validates in its :meth:`prepare_grads`, agreed over the ranks (a check on
+        one rank alone would leave the others waiting in a collective)."""
+
+    def validate_leaves(self) -> None:
+        """Nothing here: done, once and agreed over the ranks, in the members' ``prepare_grads``."""
+
+    def prepare_grads(self) -> bool:
+        """The Muon member's ``prepare_grads`` (validate, all-reduce), then the AdamW member's (validate,
+        reduce-scatter); if the second raises, the first drops its prepared gradients. A collective.
 
         Returns:
-            The closure's loss, or ``None``.
+            ``False``: there is no loss scaler, a non-finite gradient raises.
 
         Raises:
             ValueError, TypeError: invalid input on any rank: every rank raises, nothing written by either
                 member.
             optbook.contract.NonFiniteGradientError: a mean gradient of either member holds ``inf`` or
-                ``NaN``: every rank raises, nothing written by either member.
+                ``NaN``: every rank raises (naming the member and the parameter), nothing written.
         """
-        loss = closure_loss(closure)
-        total, bad = self.muon._reduce()
-        if bad is not None:
-            self.muon._mean_grads = None
-            raise nonfinite_error("DistributedChain (Muon member)", bad, self.muon._params[bad])
-        saved_norm, saved_skipped = self.adamw.max_grad_norm, self.adamw.skipped_steps
-        self.adamw.max_grad_norm = self.max_grad_norm
+        try:   # every rank raises together on bad input or inf/NaN, nothing kept
+            self.muon.prepare_grads()
+        except NonFiniteGradientError as e:
+            raise NonFiniteGradientError(f"DistributedChain (Muon member): {e}") from e
         try:
-            self.adamw.step(extra_grad_sumsq=total)
-        except NonFiniteGradientError as e:  # a DistributedOptimizer that raises itself (nothing written)
-            self.muon._mean_grads = None
+            self.adamw.prepare_grads()   # no loss scaler: it raises, never skips
+        except NonFiniteGradientError as e:
+            self.muon.discard_grads()
             raise NonFiniteGradientError(f"DistributedChain (AdamW member): {e}") from e
         except BaseException:
-            self.muon._mean_grads = None
+            self.muon.discard_grads()
             raise
-        finally:
-            self.adamw.max_grad_norm = saved_norm
-        if self.adamw.found_inf:  # a DistributedOptimizer that skipped (it wrote nothing): here it is an error
-            self.muon._mean_grads = None
-            self.adamw.skipped_steps = saved_skipped
-            self.adamw.found_inf = False
-            raise NonFiniteGradientError("DistributedChain.step: a mean gradient of the AdamW member holds inf or "
-                                         "NaN, on every rank; nothing was changed (without a loss scaler a "
-                                         "non-finite gradient is an error: find its cause)")
-        self.last_grad_norm = float(self.adamw.last_grad_norm)
-        self.muon.last_grad_norm = self.last_grad_norm
-        self.muon._apply(clip_coefficient(self.last_grad_norm, self.max_grad_norm))
-        return loss
+        return False
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none=set_to_none)
-        self.adamw.zero_grad(set_to_none=set_to_none)
+    def clip_grads(self) -> float:
+        """One global norm over both members (one all-reduce: the AdamW member's shards; the Muon member's
+        mean is replicated), both scaled by the same coefficient; the norm is every member's
+        ``last_grad_norm`` too."""
+        norm = math.sqrt(self.muon.grad_sumsq() + self.adamw.grad_sumsq())
+        self.muon.last_grad_norm = self.adamw.last_grad_norm = norm
+        coefficient = clip_coefficient(norm, self.max_grad_norm)
+        for member in self.optimizers:
+            member.scale_grads(coefficient)
+        return norm
+
+    def step_with_ready_grads(self) -> None:
+        for member in self.optimizers:
+            member.step_with_ready_grads()
+
+    def publish_weights(self) -> None:
+        """Both members' all-gathers."""
+        for member in self.optimizers:
+            member.publish_weights()
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -152,33 +181,38 @@ class DistributedChain(torch.optim.Optimizer):
         self.muon.consolidate_state_dict(to)
         self.adamw.consolidate_state_dict(to)
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
-        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to.
+        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to (``state_dict()``,
+        with the state-dict hooks run as in ``torch.optim``).
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
         return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from :meth:`state_dict` (any world size). Not a collective: call it on every rank with
-        the same dict. All or nothing: the Muon member's dict is validated (without loading), then the
-        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
-        the Muon member loads; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+    def check_state_dict(self, state_dict) -> None:
+        """The chain's layout, ``skipped_steps`` and the Muon member's whole dict, writing nothing (the AdamW
+        member checks its own whole dict before it writes anything, in ``load_state_dict``).
 
         Raises:
-            TypeError, ValueError: not a dict with ``"muon"`` and ``"adamw"``; what either member's
-                ``load_state_dict`` raises (a checkpoint of another model is refused); nothing loaded.
+            TypeError, ValueError: the first problem found.
         """
         if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
             raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
                             "DistributedChain.state_dict())")
-        skipped = check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
-        check_muon_state_dict(state_dict["muon"], self.muon)
+        check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
+        self.muon.check_state_dict(state_dict["muon"])
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        """``load_state_dict(state_dict)``: a dict from :meth:`state_dict` (any world size). Not a collective:
+        call it on every rank with the same dict. All or nothing: :meth:`check_state_dict` first, then the
+        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
+        the Muon member; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+        """
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
-        self.skipped_steps = skipped
+        self.skipped_steps = state_dict.get("skipped_steps", self.skipped_steps)
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of both members' state, for one checkpoint file per rank. Not a collective.
@@ -206,8 +240,7 @@ class DistributedChain(torch.optim.Optimizer):
                             "or a list of every rank's")
         pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
         skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
-        muon_plain = self.muon._plain_from_shards(pick("muon"))
-        check_muon_state_dict(muon_plain, self.muon)
+        self.muon.check_sharded_state_dict(pick("muon"))
         self.adamw.load_sharded_state_dict(pick("adamw"))
-        self.muon.load_state_dict(muon_plain)
+        self.muon.load_sharded_state_dict(pick("muon"))
         self.skipped_steps = skipped

@@ -28,9 +28,19 @@ from ..contract import VersionTracker, closure_loss, register_owner
 from ..optim import Muon
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
-from ._collectives import LOW_PRECISION, all_gather, reduce_scatter
 from . import _muon_common as common
-from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
+from ._comm import (
+    LOW_PRECISION,
+    all_gather,
+    check_same_params,
+    first_nonfinite,
+    global_rank,
+    group_info,
+    param_name,
+    raise_nonfinite_across,
+    reduce_scatter,
+    validate_on_every_rank,
+)
 from .zero1 import shard_layout
 
 __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "zero1_comm_bytes"]
@@ -118,8 +128,10 @@ class DistributedMuon(Muon):
         all_params = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(all_params):
             if p.dtype in LOW_PRECISION:
-                raise ValueError(f"Invalid params: parameter {i} is {p.dtype}; DistributedMuon steps float32 or "
-                                 "float64 parameters (keep float32 weights and compute in low precision)")
+                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is {p.dtype}; DistributedMuon "
+                                 "steps float32 or float64 parameters and keeps no float32 masters (keep float32 "
+                                 "weights and compute in low precision, or use LayerWiseMuon, which keeps float32 "
+                                 "masters of bfloat16 matrices)")
         devices = {p.device for p in all_params}
         if len(devices) > 1:
             raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
@@ -243,12 +255,10 @@ class DistributedMuon(Muon):
         dist.all_reduce(stats, group=self.process_group)
         self.comm_bytes["control"] += 16
         if stats[1] > 0:  # every rank is here: agree on the first parameter (one more all-reduce, MIN)
-            bad = common.first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
+            bad = first_nonfinite([self.grad_buffers[self.layout.params[p.index].dtype][
                 p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
-            first = torch.tensor([len(self._params) if bad is None else self.pieces[bad].index], device=self.device)
-            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.process_group)
-            index = int(first)
-            raise common.nonfinite_error("DistributedMuon", index, self._params[index])
+            raise_nonfinite_across("DistributedMuon", None if bad is None else self.pieces[bad].index,
+                                   self.param_groups, self.process_group, self.device)
         norm = math.sqrt(float(stats[0]))
         self.last_grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm)

@@ -32,11 +32,19 @@ from ..clipping import _reduce_device, clip_coefficient, grad_sumsq
 from ..contract import closure_loss
 from ..optim import Muon
 from ..optim._functional import momentum_directions
-from ..optim.optimizer import all_finite, raise_nonfinite
-from ..optim._sharded import is_dtensor, local
+from ..optim.optimizer import all_finite
+from .._sharded import is_dtensor, local
 from . import _muon_common as common
-from ._ranks import group_position, validate_locally
-from .layerwise_muon import lpt_assign, ns_cost
+from ._comm import (
+    LOW_PRECISION,
+    agree,
+    first_nonfinite,
+    group_position,
+    param_name,
+    raise_nonfinite_across,
+    validate_locally,
+)
+from .assignment import lpt_assign, ns_cost
 
 __all__ = ["FSDP2Muon"]
 
@@ -53,7 +61,9 @@ class FSDP2Muon(Muon):
 
     Args:
         params: the 2-D ``DTensor`` parameters FSDP2 made (or param-group dicts of them), the same on every
-            rank of one 1-D device mesh, sharded by rows; float32 or float64.
+            rank of one 1-D device mesh, sharded by rows; float32 or float64 (bfloat16/float16 shards are
+            refused, naming the parameter: no float32 masters are kept here; FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes in bfloat16 over float32 shards).
         max_grad_norm: clip the gradient by its global norm (all Muon parameters of this optimizer, summed
             over the shards: the norm of the unsharded gradient) before the momentum; ``None``: no clip.
         **muon_defaults: as :class:`optbook.optim.Muon` (``lr``, ``momentum``, ``nesterov``,
@@ -71,7 +81,7 @@ class FSDP2Muon(Muon):
     Raises:
         TypeError: a parameter that is not a ``DTensor`` sharded by rows on a 1-D mesh, or parameters on
             different meshes; what :class:`optbook.optim.Muon` raises (naming the argument).
-        ValueError: ``max_grad_norm`` not a number ``> 0``.
+        ValueError: ``max_grad_norm`` not a number ``> 0``; a bfloat16 or float16 parameter (named).
         optbook.contract.NonFiniteGradientError: :meth:`step`, a gradient shard holds ``inf`` or ``NaN`` on
             any rank (every rank raises, naming the parameter; nothing written).
     """
@@ -91,6 +101,12 @@ class FSDP2Muon(Muon):
                                 f"{'a DTensor placed as ' + str(placements) if placements else 'not a DTensor'}; "
                                 "FSDP2Muon steps DTensors sharded by rows (Shard(0)) on a 1-D mesh, as "
                                 "torch.distributed.fsdp.fully_shard makes them (plain tensors: optbook.optim.Muon)")
+            if p.dtype in LOW_PRECISION:
+                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is {p.dtype}; FSDP2Muon steps "
+                                 "float32 or float64 shards and keeps no float32 masters, so bfloat16 updates "
+                                 "below the weights' precision would be lost. Keep float32 sharded parameters and "
+                                 "compute in bfloat16 with fully_shard(module, mp_policy=MixedPrecisionPolicy("
+                                 "param_dtype=torch.bfloat16)) (torch.distributed.fsdp)")
             if mesh is None:
                 mesh = p.device_mesh
             elif p.device_mesh != mesh:
@@ -180,14 +196,16 @@ class FSDP2Muon(Muon):
 
     def _agree_on_inputs(self) -> None:
         """This rank's checks (hyperparameters, gradients, ``inf``/``NaN`` in its gradient shards; no
-        collective), then one all-reduce (MAX) over the mesh of three int32 numbers, ``[outcome, s, M - s]``:
-        the outcome is ``2 (rank + 1)`` for an invalid input, ``1`` for a non-finite shard, else ``0``, and
+        collective), then one all-reduce (MAX) over the mesh of three int32 numbers, ``[outcome, s, M - s]``
+        (:func:`~optbook.distributed._comm.agree`): the outcome is ``2 (rank + 1)`` (+1 for a non-finite
+        error) for an invalid input, ``1`` for a non-finite shard, else ``0``, and
         ``s`` is a signature of which parameters have a gradient here (their bit mask for the first 30
         parameters, plus a hash modulo the prime ``M = 2**31 - 1`` for the others), so the ranks differ when
         the largest ``s`` is not the smallest. Every rank then raises if some rank's input was invalid (its
         own error, or a ``ValueError`` naming that rank), or if some parameter has a gradient on some ranks
         and none on others (naming it and both sets of mesh ranks: one ``all_gather_object`` on this error
-        path), or if a gradient is non-finite (naming it: :func:`raise_nonfinite`, one more small
+        path), or if a gradient is non-finite (naming the first over the mesh:
+        :func:`~optbook.distributed._comm.raise_nonfinite_across`, one more small
         collective on that error path). Nothing has been written then. 12 bytes per step in the common case
         (the non-finite verdict included)."""
         named = []  # (name, parameter) of the gradients to check for inf/NaN
@@ -198,23 +216,13 @@ class FSDP2Muon(Muon):
         error = validate_locally(self)   # inf/NaN judged over the mesh below
         nonfinite = (error is None and self.refuse_nonfinite_grads and bool(named)
                      and not all_finite(local([p.grad for _, p in named])))  # this rank's shards: no collective
-        if self.process_group is None:
-            if error is not None:
-                raise error
-            return
         present = [p.grad is not None for p in self._params]
         modulus = 2**31 - 1
         signature = sum((1 << i) if i < 30 else pow(16807, i, modulus) for i, h in enumerate(present) if h) % modulus
-        outcome = 2 * (self.rank + 1) if error is not None else int(nonfinite)
-        device = local([self._params[0]])[0].device
-        status = torch.tensor([outcome, signature, modulus - signature], dtype=torch.int32, device=device)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
-        outcome, largest, complement = status.tolist()
-        if error is not None:
-            raise error
-        if outcome >= 2:
-            raise ValueError(f"FSDP2Muon.step: rank {outcome // 2 - 1} of the mesh found an invalid input (see its "
-                             "error); nothing was changed on any rank")
+        device = local([self._params[0]])[0].device if self._params else torch.device("cpu")
+        nonfinite, largest, complement = agree(error, self.rank, self.process_group, device, "FSDP2Muon",
+                                               [signature, modulus - signature], verdict=nonfinite,
+                                               dtype=torch.int32, group_name="mesh")
         if largest != modulus - complement:  # the ranks' signatures differ: name the first such parameter
             every = [None] * self.world_size
             dist.all_gather_object(every, present, group=self.process_group)
@@ -227,8 +235,9 @@ class FSDP2Muon(Muon):
                              f"on mesh ranks {without}; FSDP2 gives every rank its shard of the mean gradient, so "
                              "the ranks disagree (zero_grad or backward on some ranks only?); nothing was changed "
                              "on any rank")
-        if outcome == 1:
-            raise_nonfinite(named)  # the same parameters on every rank: its flags agreed over the mesh
+        if nonfinite:   # the same parameters on every rank: name the first non-finite one over the mesh
+            raise_nonfinite_across("FSDP2Muon", first_nonfinite(local([p.grad for p in self._params])),
+                                   self.param_groups, self.process_group, device)
 
     @torch.no_grad()
     def step(self, closure=None):

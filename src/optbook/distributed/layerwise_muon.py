@@ -27,7 +27,8 @@ boundaries) cannot step Muon shard by shard. Two ways out:
 :class:`DistributedChain` (:mod:`optbook.distributed.chain`) chains one of them with a ZeRO-1
 ``DistributedOptimizer`` (AdamW for embeddings, norms, biases) so that both clip by **one** global norm of
 the averaged raw gradients (not of the orthogonalised updates). This module holds :class:`LayerWiseMuon` and
-the assignment functions and re-exports the other two classes and :func:`zero1_comm_bytes`.
+the assignment functions and re-exports :class:`DistributedMuon` and :func:`zero1_comm_bytes` (the chain,
+which steps a :class:`LayerWiseMuon`, imports this module, not the other way round).
 
 Communication volume convention (:attr:`LayerWiseMuon.comm_bytes`, :attr:`DistributedMuon.comm_bytes`,
 :func:`zero1_comm_bytes`): a collective counts the bytes of the full buffer it reduces or gathers
@@ -39,122 +40,41 @@ for every collective, so ratios are unchanged.
 from __future__ import annotations
 
 import copy
-import heapq
 import math
 
 import torch
 import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
+from ..contract import VersionTracker, closure_loss, register_owner
 from ..optim import Muon
 from ..optim.functional import muon
-from .._checks import check_int
-from ..optim.muon import split_rows
-from ._collectives import all_gather
+from ..masters import take_up_
+from ._comm import (
+    LOW_PRECISION,
+    all_gather,
+    check_same_params,
+    first_nonfinite,
+    global_rank,
+    group_info,
+    param_name,
+    raise_nonfinite_across,
+    validate_on_every_rank,
+)
 from ._muon_common import (
     check_max_grad_norm,
     check_muon_state_dict,
     consolidate,
     consolidated_state,
-    first_nonfinite,
     hyper,
     nbytes,
-    nonfinite_error,
     shard_parts,
 )
-from ._ranks import check_same_params, global_rank, group_info, validate_on_every_rank
-from .chain import DistributedChain  # re-exported: the other two classes of chapter 14 have their own modules
+from .assignment import lpt_assign, ns_cost, rank_loads, round_robin_assign
 from .distributed_muon import DistributedMuon, zero1_comm_bytes
-from ..contract import closure_loss
 
-__all__ = ["DistributedChain", "DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
+__all__ = ["DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
            "round_robin_assign", "zero1_comm_bytes"]
-
-
-# --- assignment of whole matrices to ranks -----------------------------------------------------------------
-def ns_cost(shape, head_split=None) -> int:
-    """Newton–Schulz cost model of one ``(m, n)`` matrix: ``max(m, n) * min(m, n)**2`` (multiply-adds per
-    iteration up to a constant: the Gram ``X X^T`` of the wide orientation is ``min**2 * max``, and so are
-    the products with it). With ``head_split`` (:func:`optbook.optim.muon.split_rows`) the blocks are
-    orthogonalised separately and their costs add up. Source: Megatron-LM ``layer_wise_optimizer.py``
-    ``_ns_compute_cost`` (main branch, commit 85344907be, PR #6379; releases up to core_v0.19.0 pack by
-    element count).
-
-    Raises:
-        ValueError: ``shape`` is not 2-D, or ``head_split`` does not tile the rows.
-    """
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 2:
-        raise ValueError(f"Invalid shape: expected (m, n), got {shape}")
-    m, n = shape
-    return sum(max(r, n) * min(r, n) ** 2 for r in split_rows(m, head_split)) if m else 0
-
-
-def _check_costs(costs) -> list:
-    costs = list(costs)
-    for i, c in enumerate(costs):
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-            raise ValueError(f"Invalid costs: element {i} is {c!r}, expected a finite number >= 0")
-    return costs
-
-
-def lpt_assign(costs, world_size: int) -> list[int]:
-    """Longest processing time first (Graham 1969): the owner rank of each item.
-
-    Items are taken in order of decreasing cost (ties: lower index first) and each goes to the rank with
-    the smallest load so far (ties: lower rank). The largest load is at most ``(4/3 - 1/(3 d))`` times the
-    optimum (Graham, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 17, 1969).
-
-    Args:
-        costs: one number ``>= 0`` per item (e.g. :func:`ns_cost` of each matrix).
-        world_size: number of ranks ``d >= 1``.
-
-    Returns:
-        ``owners[i]`` in ``0 .. d - 1`` for each item ``i`` (a list of ints, the items' order).
-
-    Raises:
-        TypeError, ValueError: a bad ``world_size`` or cost, named in the message.
-    """
-    costs = _check_costs(costs)
-    world_size = check_int("world_size", world_size, 1)
-    heap = [(0, r) for r in range(world_size)]  # (load, rank): the smallest load, then the lowest rank
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, r = heapq.heappop(heap)
-        owners[i] = r
-        heapq.heappush(heap, (load + costs[i], r))
-    return owners
-
-
-def round_robin_assign(n_items: int, world_size: int) -> list[int]:
-    """Item ``i`` to rank ``i mod d`` (the naive assignment LPT is compared with).
-
-    Raises:
-        TypeError, ValueError: a bad ``n_items`` or ``world_size``.
-    """
-    n_items = check_int("n_items", n_items, 0)
-    world_size = check_int("world_size", world_size, 1)
-    return [i % world_size for i in range(n_items)]
-
-
-def rank_loads(costs, owners, world_size: int) -> list:
-    """The total cost per rank of an assignment ``owners`` (as returned by :func:`lpt_assign`).
-
-    Raises:
-        ValueError: ``owners`` and ``costs`` differ in length or an owner is out of range.
-    """
-    costs = _check_costs(costs)
-    world_size = check_int("world_size", world_size, 1)
-    owners = list(owners)
-    if len(owners) != len(costs):
-        raise ValueError(f"Invalid owners: {len(owners)} owners for {len(costs)} costs")
-    loads = [0] * world_size
-    for c, r in zip(costs, owners):
-        check_int("owners[i]", r, 0)
-        if r >= world_size:
-            raise ValueError(f"Invalid owners: {r!r} is not a rank in 0 .. {world_size - 1}")
-        loads[r] += c
-    return loads
 
 
 # --- layer-wise: whole matrices per rank --------------------------------------------------------------------
@@ -167,13 +87,16 @@ class LayerWiseMuon(Muon):
 
     Args:
         params: 2-D real floating tensors ``(fan_out, fan_in)`` or param-group dicts, as
-            :class:`optbook.optim.Muon`; the same shapes, dtypes and order on every rank (checked: a
-            collective at construction). All on one device (CPU for gloo, the rank's GPU for NCCL). At
-            construction every parameter is broadcast from the group's rank 0.
+            :class:`optbook.optim.Muon`: bfloat16, float32 or float64 (float16 is refused: its small
+            gradients flush to zero without a loss scaler, which this class does not take); the same
+            shapes, dtypes and order on every rank (checked: a collective at construction). All on one
+            device (CPU for gloo, the rank's GPU for NCCL). At construction every parameter is broadcast
+            from the group's rank 0.
         process_group: the data-parallel group (``None``: ``torch.distributed.group.WORLD``).
         assignment: ``"lpt"`` (:func:`lpt_assign` on :func:`ns_cost`, the default) or ``"round_robin"``.
         max_grad_norm: if set (``> 0``), clip the averaged gradients of these parameters by their global
-            L2 norm before the momentum (in a :class:`DistributedChain`, leave it ``None``: the chain clips).
+            L2 norm before the momentum (in a :class:`~optbook.distributed.DistributedChain`, leave it
+            ``None``: the chain clips).
         **muon_defaults: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
             ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, ``ns_dtype``, ``head_split``
             (as :class:`optbook.optim.Muon`).
@@ -181,7 +104,10 @@ class LayerWiseMuon(Muon):
     Attributes:
         owners: the owner rank of each parameter, in param-group order; ``costs``: their :func:`ns_cost`;
             ``loads``: the total cost per rank.
-        state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state).
+        state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state); float32
+            for a bfloat16 parameter.
+        master_params: ``{index: float32 master}`` of the bfloat16 matrices this rank owns (``1/d`` of the
+            masters; empty for float32/float64 parameters, which are their own masters).
         comm_bytes: ``{"all_reduce": ..., "all_gather": ..., "control": ...}`` bytes counted since
             construction (module docstring's convention); :meth:`predicted_comm_bytes` per step.
         last_grad_norm: the L2 norm of the averaged gradients at the last step, before clipping (float;
@@ -191,30 +117,44 @@ class LayerWiseMuon(Muon):
         skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
             with (kept in the state dict, as every optbook wrapper's).
 
-    The step (a collective)::
+    The step (a collective), in public phases (Megatron-LM's names, also ``optbook.wrapper``'s) that
+    :class:`~optbook.distributed.DistributedChain` composes (after Megatron-LM's ``prepare_grads`` /
+    ``clip_grad_norm`` / ``step_with_ready_grads``, ``megatron/core/optimizer/optimizer.py`` at core_v0.16.0)::
 
-        all_reduce([failing rank + 1, has_grad...], MAX)      every rank raises together on bad input
-        g = all_reduce(flat local gradients, SUM) / d          the mean gradient, on every rank
-        clip g by its norm (max_grad_norm)                    replicated: no further communication
-        owner of W:  M, W <- Muon(W, M, g_W)                  optbook.optim.functional.muon on the owned matrices
-        all_gather(owned matrices, padded to the largest rank) every rank gets every W
+        prepare_grads():
+          all_reduce([failing rank code, has_grad...], MAX)    every rank raises together on bad input
+          g = all_reduce(flat local gradients, SUM) / d         the mean gradient (float32 for bfloat16)
+          inf/NaN in g: every rank raises, naming the parameter
+        clip_grads():
+          g <- c g  (c: the clip coefficient of ||g||)          replicated: no further communication
+        step_with_ready_grads():
+          owner of W:  M, W32 <- Muon(W32, M, g_W)             optbook.optim.functional.muon on the owned masters
+          W <- W32 rounded (bfloat16 only)
+        publish_weights():
+          all_gather(owned matrices, padded to the largest rank) every rank gets every W
 
     The owners' arithmetic is the single-process Muon's, on the same mean gradient: with an exact mean
     (float64, dyadic gradients) the result equals ``optbook.optim.Muon`` to rounding of the batched
-    Newton–Schulz products (bit for bit in the tests here).
+    Newton–Schulz products (bit for bit in the tests here). For bfloat16 parameters it is
+    :class:`optbook.precision.MixedPrecisionOptimizer` around ``Muon``: the owner steps a float32 master
+    and the model gets it rounded once per step (bit for bit in ``tests/test_distributed_ownership.py``).
+
+    Who owns the weights (:mod:`optbook.contract`): for bfloat16 parameters this optimizer keeps the
+    float32 masters and registers as their owner: an in-place write to a parameter made identically on every
+    rank (a weights-only ``model.load_state_dict``) is taken up into the owner's master at the next step
+    (:func:`optbook.masters.take_up_`), and :func:`optbook.contract.scale_weights_` (what
+    :func:`optbook.qk_clip_` calls; every rank calls it) scales the master and rewrites the parameter.
+    float32/float64 parameters are stepped in place: outside writes to them need no care.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError, TypeError: what :class:`optbook.optim.Muon` raises; parameters that differ between
-            ranks or sit on several devices; a bad ``assignment`` or ``max_grad_norm``. Before anything is
-            written. :meth:`step` raises on **every** rank when one rank's input is invalid (hyperparameter,
-            gradient shape/dtype), with nothing written on any rank.
+        ValueError, TypeError: what :class:`optbook.optim.Muon` raises; a float16 parameter (named);
+            parameters that differ between ranks or sit on several devices; a bad ``assignment`` or
+            ``max_grad_norm``. Before anything is written. :meth:`step` raises on **every** rank when one
+            rank's input is invalid (hyperparameter, gradient shape/dtype), with nothing written on any rank.
         optbook.contract.NonFiniteGradientError: :meth:`step`, when a mean gradient holds ``inf`` or ``NaN``
             (on every rank, naming the parameter, nothing written; the step contract of
             :mod:`optbook.contract`).
-
-    Outside writes to the parameters (``model.load_state_dict``, :func:`optbook.qk_clip_`) need no care:
-    the owners step the model's parameters themselves, so this class keeps no copy of the weights.
     """
 
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
@@ -225,6 +165,11 @@ class LayerWiseMuon(Muon):
         max_grad_norm = check_max_grad_norm(max_grad_norm)
         super().__init__(params, **muon_defaults)  # validates parameters and hyperparameters
         all_params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(all_params):
+            if p.dtype == torch.float16:
+                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is float16, whose small "
+                                 "gradients flush to zero without a loss scaler, which LayerWiseMuon does not "
+                                 "take; use bfloat16 (float32 masters are kept) or float32 parameters")
         devices = {p.device for p in all_params}
         if len(devices) > 1:
             raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
@@ -249,6 +194,13 @@ class LayerWiseMuon(Muon):
             for p in all_params:
                 if p.numel():
                     dist.broadcast(p.data, src=src, group=group)
+            self.master_params: dict[int, torch.Tensor] = {
+                i: p.detach().to(torch.float32, copy=True) for i, p in enumerate(all_params)
+                if p.dtype in LOW_PRECISION and self.owners[i] == rank}
+        low = [p for p in all_params if p.dtype in LOW_PRECISION]
+        self._versions = VersionTracker()
+        self._versions.record(low)
+        register_owner(low, self)
 
     def add_param_group(self, param_group: dict) -> None:
         """Only while constructing (the assignment is fixed then).
@@ -260,6 +212,11 @@ class LayerWiseMuon(Muon):
             raise NotImplementedError("LayerWiseMuon.add_param_group: the owners are assigned at construction; "
                                       "build a new LayerWiseMuon with every group")
         super().add_param_group(param_group)
+
+    def _expected_state(self, p: torch.Tensor, group: dict) -> dict:
+        """The momentum of a bfloat16 parameter is float32 (it updates the float32 master)."""
+        dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+        return {"momentum_buffer": (tuple(p.shape), dtype, False)}
 
     def predicted_comm_bytes(self, has_grad=None) -> dict:
         """Bytes one :meth:`step` communicates: the all-reduce of every gradient (counted twice, module
@@ -283,14 +240,25 @@ class LayerWiseMuon(Muon):
     def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(dtype, torch.float32)
 
-    # --- the step in two halves (DistributedChain calls them separately) --------------------------------
-    def _reduce(self) -> tuple[float, int | None]:
-        """Validate, agree on errors, average the gradients. Returns ``(sum of squares of the mean gradient,
-        index of the first parameter whose mean gradient is not finite, or None)``, the same on every rank.
-        Writes nothing but internal buffers."""
+    # --- the step in public phases (optbook.wrapper's names; DistributedChain composes them) ------------
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Phase 1 of :meth:`step` (a collective): validate on every rank and agree, average the gradients
+        (one all-reduce per dtype), check them for ``inf``/``NaN``. Writes nothing but this optimizer's
+        buffer of mean gradients, which the next phases read (or :meth:`discard_grads` drops).
+
+        Returns:
+            ``False`` (found_inf: without a loss scaler a non-finite mean gradient raises, it is never
+            skipped).
+
+        Raises:
+            ValueError, TypeError: an invalid input on any rank: on every rank, nothing kept.
+            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf``/``NaN``: on every rank,
+                naming the first such parameter, nothing kept.
+        """
         self._consolidated = None
         self._mean_grads = None
-        has_grad = validate_on_every_rank(self, "LayerWiseMuon")
+        has_grad = validate_on_every_rank(self, type(self).__name__)
         mean: list = [None] * len(self._params)
         by_dtype: dict = {}
         for i, p in enumerate(self._params):
@@ -307,31 +275,73 @@ class LayerWiseMuon(Muon):
             flat.div_(self.world_size)
             for i, v in zip(idx, views):
                 mean[i] = v.view(self._params[i].shape)
+        bad = first_nonfinite(mean)   # the same on every rank: the mean is replicated
+        if bad is not None:
+            raise_nonfinite_across(type(self).__name__, bad, self.param_groups, self.process_group, self.device)
         self._mean_grads = mean
-        return float(grad_sumsq([g for g in mean if g is not None])), first_nonfinite(mean)
+        return False
 
-    def _apply(self, coef: float) -> None:
-        """Clip the mean gradients by ``coef``, step the owned matrices, all-gather every matrix."""
-        mean, self._mean_grads = self._mean_grads, None
-        scale_grads_([g for g in mean if g is not None], coef)
+    def _prepared(self) -> list:
+        if self._mean_grads is None:
+            raise RuntimeError(f"{type(self).__name__}: call prepare_grads() first (nothing written)")
+        return self._mean_grads
+
+    def grad_sumsq(self) -> float:
+        """The float64 sum of squares of the prepared mean gradients (the same on every rank; no
+        communication: the mean is replicated)."""
+        return float(grad_sumsq([g for g in self._prepared() if g is not None]))
+
+    def scale_grads(self, coefficient: float) -> None:
+        """Multiply the prepared mean gradients by ``coefficient`` (a chain's clip; :func:`optbook.clipping.scale_grads_`)."""
+        scale_grads_([g for g in self._prepared() if g is not None], coefficient)
+
+    def clip_grads(self) -> float:
+        """Phase 2: the L2 norm of the prepared mean gradients (kept in :attr:`last_grad_norm`, returned),
+        and the clip by ``max_grad_norm`` when set."""
+        norm = math.sqrt(self.grad_sumsq())
+        self.last_grad_norm = norm
+        self.scale_grads(clip_coefficient(norm, self.max_grad_norm))
+        return norm
+
+    def discard_grads(self) -> None:
+        """Drop the mean gradients of :meth:`prepare_grads` (a chain whose other member failed)."""
+        self._mean_grads = None
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Phase 3 (local): step the owned matrices on the prepared mean gradients (the float32 masters of
+        bfloat16 ones, which are then rounded into the parameters); :meth:`publish_weights` follows.
+
+        Raises:
+            RuntimeError: :meth:`prepare_grads` was not called since the last step (nothing written).
+        """
+        mean = self._prepared()
+        self._mean_grads = None
+        self._take_up_outside_writes()
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
-            params, grads = [], []
+            params, grads, bufs, written = [], [], [], []
             for p in group["params"]:
                 if self.owners[i] == self.rank and mean[i] is not None:
-                    params.append(p)
-                    grads.append(mean[i].to(p.dtype))
+                    target = self.master_params.get(i, p)   # a bfloat16 matrix: its float32 master
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(target,
+                                                                            memory_format=torch.preserve_format)
+                    params.append(target)
+                    grads.append(mean[i].to(target.dtype))
+                    bufs.append(self.state[p]["momentum_buffer"])
+                    if target is not p:
+                        written.append((p, target))
                 i += 1
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            muon(params, grads, [self.state[p]["momentum_buffer"] for p in params], **hyper(group))
-        self._all_gather_params()
+            muon(params, grads, bufs, **hyper(group))
+            for p, master in written:
+                p.copy_(master)   # one rounding to the model's dtype
 
-    def _all_gather_params(self) -> None:
-        """Every rank packs its owned matrices (per dtype) into a buffer padded to the largest rank's size;
-        one all-gather; every rank copies the others' matrices out."""
+    @torch.no_grad()
+    def publish_weights(self) -> None:
+        """Phase 4 (a collective): every rank packs its owned matrices (per dtype) into a buffer padded to
+        the largest rank's size; one all-gather; every rank copies the others' matrices out."""
         for dtype in dict.fromkeys(p.dtype for p in self._params):
             per_rank = [[p for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype and p.numel()]
                         for r in range(self.world_size)]
@@ -352,10 +362,40 @@ class LayerWiseMuon(Muon):
                 for p in ps:
                     p.data.copy_(recv[offset:offset + p.numel()].view(p.shape))
                     offset += p.numel()
+        self._versions.record(self._params)
+
+    def _take_up_outside_writes(self) -> None:
+        """Copy into the owner's float32 master every bfloat16 parameter written since this optimizer's last
+        write (the step contract's outside writes; host integers only)."""
+        for i in self._versions.changed(self._params):
+            if i in self.master_params:
+                take_up_(self.master_params[i], self._params[i])
+        self._versions.record(self._params)
+
+    @torch.no_grad()
+    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
+        """``master *= factor`` in float32 on the owner and ``param <- master`` rounded, then the owner
+        broadcasts ``param`` (a collective: every rank calls it with the same ``param`` and ``factor``,
+        :func:`optbook.contract.scale_weights_`).
+
+        Raises:
+            ValueError: ``param`` is not one of this optimizer's bfloat16 parameters; nothing written.
+        """
+        i = next((k for k, p in enumerate(self._params) if p is param), None)
+        if i is None or param.dtype not in LOW_PRECISION:
+            raise ValueError("Invalid param: not a bfloat16 parameter of this LayerWiseMuon")
+        self._take_up_outside_writes()
+        if i in self.master_params:
+            master = self.master_params[i]
+            master.mul_(factor.to(master.device) if isinstance(factor, torch.Tensor) else factor)
+            param.copy_(master)
+        dist.broadcast(param.data, src=global_rank(self.process_group, self.owners[i]), group=self.process_group)
+        self._versions.record([param])
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One layer-wise Muon step (a collective; the class docstring's sequence).
+        """One layer-wise Muon step (a collective): :meth:`prepare_grads`, :meth:`clip_grads`,
+        :meth:`step_with_ready_grads`, :meth:`publish_weights` (the phases of :mod:`optbook.wrapper`).
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward``; run with gradients
@@ -375,64 +415,122 @@ class LayerWiseMuon(Muon):
                 naming the parameter, before anything is written.
         """
         loss = closure_loss(closure)
-        total, bad = self._reduce()
-        if bad is not None:
-            self._mean_grads = None
-            raise nonfinite_error("LayerWiseMuon", bad, self._params[bad])
-        norm = math.sqrt(total)
-        self.last_grad_norm = norm
-        self._apply(clip_coefficient(norm, self.max_grad_norm))
+        self.prepare_grads()
+        self.clip_grads()
+        self.step_with_ready_grads()
+        self.publish_weights()
         return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
+    def _low_indices(self) -> list[int]:
+        """The indices (param-group order) of the bfloat16 parameters: the order of ``"master_params"``."""
+        return [i for i, p in enumerate(self._params) if p.dtype in LOW_PRECISION]
+
+    def _local_state(self) -> tuple[dict, dict]:
+        """``({index: state}, {index: master})`` of the matrices this rank owns, on the CPU."""
+        state = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                     for k, v in self.state[p].items()}
+                 for i, p in enumerate(self._params) if self.owners[i] == self.rank and p in self.state}
+        return state, {i: m.detach().cpu().clone() for i, m in self.master_params.items()}
+
+    def _plain(self, state: dict, masters: dict, param_groups: list, skipped: int) -> dict:
+        plain = {"state": {i: state[i] for i in sorted(state)}, "param_groups": param_groups, "skipped_steps": skipped}
+        low = self._low_indices()
+        if low:
+            plain["master_params"] = [masters.get(i) for i in low]
+        return plain
+
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every owner's momentum on group rank ``to`` (a collective), for :meth:`state_dict`.
+        """Gather every owner's momentum (and masters) on group rank ``to`` (a collective), for
+        :meth:`state_dict`.
 
         Raises:
             TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
         """
-        local = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                     for k, v in self.state[p].items()}
-                 for i, p in enumerate(self._params) if self.owners[i] == self.rank and p in self.state}
-        gathered = consolidate(self, local, to)
+        gathered = consolidate(self, self._local_state(), to)
         if gathered is None:
             self._consolidated = None
             return
-        state = {}
-        for part in gathered:
-            state.update(part)
-        plain = super().state_dict()  # param_groups with indices in param-group order
-        self._consolidated = {"state": {i: state[i] for i in sorted(state)}, "param_groups": plain["param_groups"],
-                              "skipped_steps": self.skipped_steps}
+        state, masters = {}, {}
+        for part_state, part_masters in gathered:
+            state.update(part_state)
+            masters.update(part_masters)
+        self._consolidated = self._plain(state, masters, super().state_dict()["param_groups"], self.skipped_steps)
 
     def state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to: the plain
         ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups":
         [...]}``, parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``
-        (which ``torch.optim`` ignores). It loads into a single-process :class:`optbook.optim.Muon` over the
-        same parameters and into a LayerWiseMuon at any world size.
+        (which ``torch.optim`` ignores) and, with bfloat16 parameters, ``"master_params"``: their float32
+        masters in param-group order, as :class:`optbook.precision.MixedPrecisionOptimizer` lists them (the
+        momentum of a bfloat16 parameter is float32). It loads into a single-process
+        :class:`optbook.optim.Muon` over the same parameters (which ignores the masters and keeps its momentum
+        in the parameter's dtype) and into a LayerWiseMuon at any world size.
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
         """
         return consolidated_state(self)
 
+    def _checked(self, state_dict) -> tuple[dict, int, list | None]:
+        """Everything :meth:`load_state_dict` checks, writing nothing: ``(the dict with the momentum of each
+        bfloat16 parameter as float32, skipped_steps, the float32 masters or None)``."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            low = set(self._low_indices())
+            widened = {i: ({k: v.to(torch.float32) if k == "momentum_buffer" and isinstance(v, torch.Tensor)
+                            and v.dtype in LOW_PRECISION else v for k, v in entry.items()}
+                           if i in low and isinstance(entry, dict) else entry)
+                       for i, entry in state_dict["state"].items()}
+            state_dict = {**state_dict, "state": widened}
+        skipped = check_muon_state_dict(state_dict, self)
+        masters = state_dict.get("master_params")
+        low = self._low_indices()
+        if masters is not None:
+            if not isinstance(masters, (list, tuple)) or len(masters) != len(low):
+                raise ValueError(f"Invalid state_dict: 'master_params' must be a list of {len(low)} float32 "
+                                 "tensors (one per bfloat16 parameter, in param-group order)")
+            for k, (i, m) in enumerate(zip(low, masters)):
+                if m is None and self.owners[i] != self.rank:
+                    continue
+                if (not isinstance(m, torch.Tensor) or m.dtype != torch.float32
+                        or tuple(m.shape) != tuple(self._params[i].shape)):
+                    what = f"shape {tuple(m.shape)}, {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+                    raise ValueError(f"Invalid state_dict: master_params[{k}] ({param_name(self.param_groups, i)}) "
+                                     f"has {what}; expected a float32 tensor of the parameter's shape")
+        return state_dict, skipped, masters
+
+    def check_state_dict(self, state_dict) -> None:
+        """Check a dict for :meth:`load_state_dict` without writing anything (as :meth:`load_state_dict`).
+
+        Raises:
+            TypeError, ValueError: the first problem found.
+        """
+        self._checked(state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain Muon state dict (from :meth:`state_dict` at any world size, or from
-        :meth:`optbook.optim.Muon.state_dict`); each rank keeps the momentum of the matrices it owns. Not a
-        collective: call it on every rank with the same dict.
+        :meth:`optbook.optim.Muon.state_dict`); each rank keeps the momentum (and the float32 masters) of the
+        matrices it owns. Not a collective: call it on every rank with the same dict. A dict without
+        ``"master_params"`` (a single-process Muon's) takes each bfloat16 master from the parameter as it
+        is now, and a bfloat16 momentum is widened to float32.
 
         Raises:
             TypeError, ValueError: the whole dict is validated first (``check_muon_state_dict`` of
                 :mod:`optbook.distributed._muon_common`: group and parameter counts, hyperparameters, state
-                keys, momentum shapes -- a checkpoint of another model or optimizer is refused); nothing is
-                loaded then.
+                keys, momentum shapes -- a checkpoint of another model or optimizer is refused -- and the
+                masters' count, shapes and dtype); nothing is loaded then.
         """
-        skipped = check_muon_state_dict(state_dict, self)
-        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        state_dict, skipped, masters = self._checked(state_dict)
+        Muon.load_state_dict(self, {"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for i, p in enumerate(self._params):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
+        with torch.no_grad():
+            for k, i in enumerate(self._low_indices()):
+                if i in self.master_params:
+                    source = self._params[i] if masters is None else masters[k]
+                    self.master_params[i].copy_(source.detach().to(torch.float32))
+        self._versions.record(self._params)
         self.skipped_steps = skipped
         self._consolidated = None
 
@@ -443,22 +541,37 @@ class LayerWiseMuon(Muon):
         Returns:
             ``{"format": SHARDED_FORMAT, "rank", "world_size", "owners", "params": [(shape, dtype name)] in
             param-group order, "state": {index: {"momentum_buffer": CPU tensor}} for the matrices this rank
-            owns, "param_groups": as :meth:`state_dict`, "skipped_steps"}``.
+            owns, "master_params": {index: float32 CPU master} of the bfloat16 ones it owns, "param_groups":
+            as :meth:`state_dict`, "skipped_steps"}``.
         """
-        plain = super().state_dict()
+        state, masters = self._local_state()
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-                "state": {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in plain["state"].items()},
-                "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
+                "state": state, "master_params": masters, "param_groups": super().state_dict()["param_groups"],
+                "skipped_steps": self.skipped_steps}
 
     def _plain_from_shards(self, shards) -> dict:
         """The plain Muon dict that :meth:`load_sharded_state_dict` loads, after every check that does not
         need it loaded (format, ranks, owners, parameter shapes and dtypes). Writes nothing."""
         parts = shard_parts(shards, self, SHARDED_FORMAT, "owners", list(self.owners))
-        state = {}
+        state, masters = {}, {}
         for sd in parts:
             state.update(sd["state"])
-        return {"state": state, "param_groups": parts[0]["param_groups"], "skipped_steps": parts[0]["skipped_steps"]}
+            masters.update(sd.get("master_params", {}))
+        plain = self._plain(state, masters, parts[0]["param_groups"], parts[0]["skipped_steps"])
+        if "master_params" in plain and any(m is None and self.owners[i] == self.rank
+                                            for i, m in zip(self._low_indices(), plain["master_params"])):
+            del plain["master_params"]   # files without this rank's masters: taken from the parameters
+        return plain
+
+    def check_sharded_state_dict(self, shards) -> None:
+        """Everything :meth:`load_sharded_state_dict` checks, writing nothing (a chain checks each member
+        before it loads any).
+
+        Raises:
+            TypeError, ValueError: as :meth:`load_sharded_state_dict`.
+        """
+        self._checked(self._plain_from_shards(shards))
 
     def load_sharded_state_dict(self, shards) -> None:
         """Load :meth:`sharded_state_dict` files. Not a collective.

@@ -235,7 +235,8 @@ def chain_train(rank: int, world_size: int, *, steps: int = 3, seed: int = 0, gr
     here from :func:`_chain_mean_grads` (what the chain's first norm must equal); ``"lrs"``: every group's lr
     after one step of ``LambdaLR(chain, 0.5 ** s)``; ``"errors"``: what three bad constructions raised."""
     from ..clipping import get_grad_norm
-    from .layerwise_muon import DistributedChain, LayerWiseMuon
+    from .chain import DistributedChain
+    from .layerwise_muon import LayerWiseMuon
     from .zero1 import DistributedOptimizer
 
     matrices, others = chain_problem(seed)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..polar import newton_schulz, ns_schedule
-from .zero1 import _all_gather
+from ._comm import all_gather
 
 __all__ = ["TP_MODES", "tensor_parallel_newton_schulz"]
 
@@ -85,7 +85,7 @@ def tensor_parallel_newton_schulz(shard: torch.Tensor, partition_dim: int, mode:
                          "tensor parallelism splits into equal blocks")
     if mode == "duplicated":
         flat = torch.empty(t * shard.numel(), dtype=shard.dtype, device=shard.device)
-        _all_gather(flat, shard.contiguous().reshape(-1), group=group)
+        all_gather(flat, shard.contiguous().reshape(-1), group=group)
         _count(comm_bytes, "all_gather", flat)
         full = torch.cat(list(flat.view(t, *shard.shape)), dim=partition_dim)
         out = newton_schulz(full, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)

@@ -8,10 +8,13 @@ optimizer (``megatron/core/distributed/param_and_grad_buffer.py`` and
 ``megatron/core/optimizer/distrib_optimizer.py``; bib key ``megatron2024distopt``). The code here is our
 own.
 
-The code is in three modules: the layout (:func:`shard_layout`, in ``_zero1_layout``: per-dtype flat buffers
+The code is in four modules: the layout (:func:`shard_layout`, in ``_zero1_layout``: per-dtype flat buffers
 cut into buckets and equal shards that ignore parameter boundaries; rank ``r``'s part of a parameter is a
-:class:`Piece`), the optimizer (:class:`DistributedOptimizer`, here: the step below, the owner of the weights
-under :mod:`optbook.contract`), and its checkpoints (``_zero1_checkpoints``). Every public name is importable
+:class:`Piece`), the optimizer (:class:`DistributedOptimizer`, here: the step below, in three public phases
+``prepare_grads``, ``clip_grads``, ``step_with_ready_grads``, ``publish_weights``, as ``optbook.wrapper``
+names them), its ownership of the weights under
+:mod:`optbook.contract` (``_zero1_weights``: outside writes taken up, weights scaled in the masters), and its
+checkpoints (``_zero1_checkpoints``). Every public name is importable
 from here and from :mod:`optbook.distributed`.
 
 One step (:meth:`DistributedOptimizer.step`) as collective calls, per bucket::
@@ -50,18 +53,23 @@ from ..clipping import clip_coefficient, get_grad_norm, scale_grads_
 from ..optim import AdamW
 from .._checks import check_grad, check_number
 from ..optim.optimizer import BookOptimizer, all_finite, check_hyperparameters, nonfinite_checked_by_caller
-from ..precision import check_loss_scaler, loss_scale_of, scaled_loss, take_up_, unscale_grads_
-from ._collectives import LOW_PRECISION, all_gather, check_int, reduce_scatter
-from ._ranks import check_same_params, group_position
+from ..loss_scaling import check_loss_scaler, loss_scale_of, scaled_loss, unscale_grads_
+from ..wrapper import OptimizerWrapper
+from ._comm import (
+    LOW_PRECISION,
+    agree,
+    all_gather,
+    check_same_params,
+    first_nonfinite,
+    global_rank,
+    raise_nonfinite_across,
+    reduce_scatter,
+)
 from ._zero1_checkpoints import SHARDED_FORMAT, Zero1Checkpoints
+from ._zero1_weights import Zero1Weights
 from ._zero1_layout import Bucket, Layout, ParamRange, Piece, is_power_of_two, shard_layout
 
 __all__ = ["SHARDED_FORMAT", "Bucket", "DistributedOptimizer", "Layout", "ParamRange", "Piece", "shard_layout"]
-
-# Old private names, kept as aliases while optbook.distributed.layerwise_muon still imports them from here;
-# new code imports the public names from optbook.distributed._collectives.
-_LOW_PRECISION, _all_gather, _reduce_scatter, _check_int = LOW_PRECISION, all_gather, reduce_scatter, check_int
-
 
 def _clip_by_group_norm(params, max_norm, group, extra_sumsq: float | None) -> float:
     """``norm`` = :func:`optbook.clipping.get_grad_norm` of the ``params``' grads over ``group`` (with
@@ -78,7 +86,7 @@ def _clip_by_group_norm(params, max_norm, group, extra_sumsq: float | None) -> f
 
 
 # --- the optimizer ------------------------------------------------------------------------------------------
-class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
+class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
     """ZeRO-1 around an element-wise optimizer: reduce-scatter, shard step, all-gather (module docstring).
 
     Used like ``torch.distributed.optim.ZeroRedundancyOptimizer``: build it on every rank of
@@ -189,8 +197,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         self._params = all_params
         self._index_of = {id(p): i for i, p in enumerate(all_params)}
         self.device = next(iter(devices))
-        self._global_ranks = [q if group is dist.group.WORLD else dist.get_global_rank(group, q)
-                              for q in range(world_size)]
+        self._global_ranks = [global_rank(group, q) for q in range(world_size)]
         # gloo's reduce_scatter / all_gather_into_tensor are several times slower than its (pipelined)
         # all_reduce and its broadcast on the same bytes, and one reduce per shard is slower than the
         # all_reduce (measured: benchmarks/bench_zero1.py); NCCL's reduce-scatter/all-gather are the fast path.
@@ -207,7 +214,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                 view = self.param_buffers[r.dtype][r.start:r.end]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(r.shape)
-            src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+            src = global_rank(group, 0)
             for buf in self.param_buffers.values():
                 if buf.numel():
                     dist.broadcast(buf, src=src, group=group)
@@ -252,7 +259,7 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         if getattr(self, "_layout", None) is not None:
             raise NotImplementedError("DistributedOptimizer.add_param_group: the flat buffers are laid out "
                                       "at construction; build a new DistributedOptimizer with every group")
-        super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, param_group)   # its own groups (not the wrapper's forwarding)
 
     @property
     def loss_scale(self) -> float:
@@ -315,74 +322,6 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                 n += 1
         return n
 
-    def reload_model_params(self) -> None:
-        """Copy this rank's pieces of the low-precision model parameters into their float32 masters (after
-        editing the model's weights in place, identically on every rank). Not a collective.
-
-        :meth:`step` does this by itself for every parameter written in place since the optimizer's last
-        write (its version counter moved, :class:`optbook.contract.VersionTracker`); this method also takes
-        up writes that bypassed the parameter (e.g. through ``param_buffers``)."""
-        with torch.no_grad():
-            for b, master in self.master_shards.items():
-                master.copy_(self._shard(self.param_buffers, b))
-        self._versions.record(self._params)
-
-    @torch.no_grad()
-    def _take_up_outside_writes(self) -> None:
-        """The step contract's take-up (:mod:`optbook.contract`): for each low-precision parameter written in
-        place by someone else since this optimizer's last write (its ``_version`` moved; host integers, no
-        device synchronisation), copy this rank's pieces of it into the float32 masters. An element whose
-        model value still equals its rounded master keeps the master (with its low bits): a weights-only
-        reload of the same checkpoint changes nothing. float32/float64 parameters are their own masters (the
-        flat buffer is their storage), so their writes need no copy. Not a collective: an outside write must
-        be made identically on every rank."""
-        changed = self._versions.changed(self._params)
-        if not changed:
-            return
-        changed_set = set(changed)
-        for piece, target in zip(self.pieces, self._piece_params):
-            if piece.index in changed_set and piece.bucket in self.master_shards:
-                take_up_(target, self._param_view(piece.index)[piece.param_start:piece.param_end])
-        self._versions.record(self._params[i] for i in changed)
-
-    @torch.no_grad()
-    def _scale_weights_(self, param: torch.Tensor, factor) -> None:
-        """Multiply ``param``'s weights by ``factor`` in this optimizer's copy and rewrite the model's
-        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls this).
-
-        A collective: every rank of the group calls it with the same ``param`` (its replica) and ``factor``.
-        Each rank multiplies the part of its shard that belongs to ``param`` -- ``factor`` expanded to
-        ``param.shape``, flattened and sliced to the piece's range -- in the shard's dtype (the float32
-        master of a float16/bfloat16 parameter; the parameter itself for float32/float64), then the
-        parameter's bucket is gathered again, so every rank's ``param`` holds the scaled (rounded) master.
-
-        Args:
-            param: one of this optimizer's parameters (the model's tensor).
-            factor: a Python number or a real tensor broadcastable to ``param.shape`` (a row scaling of a
-                matrix: shape ``(rows, 1)``), the same on every rank.
-
-        Raises:
-            ValueError: ``param`` is not one of this optimizer's parameters, or ``factor`` does not broadcast
-                to its shape. Raised on the rank where it happens, before any write or communication.
-        """
-        index = self._index_of.get(id(param))
-        if index is None or self._params[index] is not param:
-            raise ValueError(f"Invalid param: a tensor of shape {tuple(param.shape)} that this "
-                             "DistributedOptimizer does not hold")
-        r = self.layout.params[index]
-        try:
-            flat = torch.as_tensor(factor).to(param.device).expand(r.shape).reshape(-1)
-        except RuntimeError as e:
-            raise ValueError(f"Invalid factor: shape {tuple(torch.as_tensor(factor).shape)} does not broadcast "
-                             f"to the parameter's shape {r.shape}") from e
-        self._take_up_outside_writes()
-        for piece, target in zip(self.pieces, self._piece_params):
-            if piece.index == index:
-                target.mul_(flat[piece.param_start:piece.param_end].to(target.dtype))
-        if r.bucket in self.master_shards:
-            self._shard(self.param_buffers, r.bucket).copy_(self.master_shards[r.bucket])
-        self._gather(r.bucket)
-
     def _gather(self, b: int) -> None:
         """All-gather bucket ``b`` of the parameter buffer from each rank's shard (gloo: each owner
         broadcasts its shard)."""
@@ -421,6 +360,9 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         """Everything :meth:`step` checks before writing: the loss scale, the hyperparameters (an optbook
         ``optimizer_class``), each gradient (shape, dtype, device), each parameter still in its buffer."""
         self.loss_scale  # noqa: B018 -- raises on a bad scale
+        for gi, group in enumerate(self.param_groups):
+            if group.get("train_mode") is False:   # an inner Schedule-Free put in eval mode by eval()
+                raise RuntimeError(f"Invalid call: step() with param_groups[{gi}] in eval mode; call train() first")
         if isinstance(self.optimizer, BookOptimizer):
             for group in self.param_groups:
                 check_hyperparameters(self.optimizer, group)
@@ -482,31 +424,9 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
         largest = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)]).max()
         return not bool(largest <= limit)  # a NaN norm compares false: checked
 
-    def _raise_non_finite(self, saved: dict | None = None) -> None:
-        """Every rank agreed that some mean gradient holds ``inf``/``NaN`` and there is no loss scaler: find
-        the first such parameter over the group (one all-reduce, MIN), put back the flat gradient buffers
-        from ``saved`` (their copies from before the reduction: the ``.grad`` views are then unchanged), and
-        raise on every rank."""
-        first = len(self._params)
-        for piece, grad in zip(self.pieces, self._piece_grads):
-            if piece.index < first and not bool(torch.isfinite(grad).all()):  # the error path: syncs are fine
-                first = piece.index
-        index = torch.tensor([first], dtype=torch.float64, device=self.device)
-        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=self.process_group)
-        index = int(index.item())
-        if saved is not None:
-            for dtype, buf in self.grad_buffers.items():
-                buf.copy_(saved[dtype])
-        gi, pi = group_position(self.param_groups, index)
-        raise contract.NonFiniteGradientError(
-            f"DistributedOptimizer.step: the mean gradient of parameter {index} (param_groups[{gi}]['params']"
-            f"[{pi}], shape {self.layout.params[index].shape}) holds inf or NaN and there is no loss_scaler to "
-            "skip the step; nothing was written on any rank. Find the source of the non-finite value, or pass "
-            "loss_scaler= to skip such steps")
-
     @torch.no_grad()  # torch.optim.Optimizer.__init__ wraps step once more, to run the step hooks
     def step(self, closure=None, *, extra_grad_sumsq: float | None = None):
-        """One ZeRO-1 step (a collective): the module docstring's sequence of calls.
+        """One ZeRO-1 step (a collective): prepare_grads, clip_grads, step_with_ready_grads, publish_weights.
 
         Args:
             closure: optional callable that recomputes the loss and calls ``backward`` (on
@@ -543,31 +463,44 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                 ``inf``/``NaN``: raised on every rank, naming the first such parameter; nothing was written on
                 any rank (a ``ValueError``).
         """
-        loss = contract.closure_loss(closure)
+        if extra_grad_sumsq is not None:
+            check_number("extra_grad_sumsq", extra_grad_sumsq, low=0.0)
+        self._extra_sumsq = extra_grad_sumsq
+        try:
+            return OptimizerWrapper.step(self, closure)   # the template: validate ... publish_weights
+        finally:
+            self._extra_sumsq = None
+
+    # --- the step's public phases (DistributedChain composes them) ----------------------------------------
+    _extra_sumsq: float | None = None   # step(extra_grad_sumsq=): a chain's other members' squares
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Phase 1 of :meth:`step` (a collective): validate and agree over the ranks, reduce-scatter the mean
+        gradient, unscale and look for ``inf``/``NaN`` (steps 0 to 5 of the module docstring), take up outside
+        writes, and hand each piece its gradient for :meth:`step_with_ready_grads`.
+
+        Returns:
+            ``found_inf``: with a loss scaler, ``True`` when every rank skips this step (nothing written; the
+            template step then updates the scaler and counts the step); then do not call the next phases.
+
+        Raises:
+            As :meth:`step`: bad input on any rank, or a non-finite mean gradient without a loss scaler, on
+            every rank, nothing written (the ``.grad`` views of :meth:`use_grad_buffer` put back).
+        """
         self._consolidated = None
         try:
             self._validate()
-            if extra_grad_sumsq is not None:
-                check_number("extra_grad_sumsq", extra_grad_sumsq, low=0.0)
             error = None
         except (TypeError, ValueError, RuntimeError) as e:
             error = e
         has_grad = [p.grad is not None for p in self._params]
         # 0. one small all-reduce (MAX) before the flat gradient buffer is touched, since the .grad of
-        #    use_grad_buffer() are views of it: [failing rank + 1, the mean must be checked, has_grad...]
-        status = torch.tensor([self.rank + 1 if error is not None else 0,
-                               float(error is None and self._needs_check()), *has_grad],
-                              dtype=torch.float64, device=self.device)
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
-        status = status.tolist()
-        if error is not None:
-            raise error
-        if status[0]:
-            raise ValueError(f"DistributedOptimizer.step: rank {int(status[0]) - 1} of the group found an "
-                             "invalid input (see its error); nothing was changed on any rank")
+        #    use_grad_buffer() are views of it: [error code, the mean must be checked, has_grad...]
+        _, check, *has_grad = agree(error, self.rank, self.process_group, self.device, "DistributedOptimizer",
+                                    [float(error is None and self._needs_check()), *has_grad])
         # Without a loss scaler, a mean gradient with inf/NaN is an error, after which the .grad views must
         # hold what they held: when some rank's gradients could give one, every rank keeps a copy to restore.
-        check = bool(status[1])
         saved = ({dtype: buf.clone() for dtype, buf in self.grad_buffers.items()}
                  if check and self.loss_scaler is None else None)
         # 1. the flat gradient of this rank (the model's .grad is only read). Padding is never written (the
@@ -590,38 +523,66 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
                     reduce_scatter(shard, self.grad_buffers[bucket.dtype][bucket.start:bucket.end],
                                    group=self.process_group)
                 shard_grads.append(shard)
-        # 3. mean, unscale, look for inf/NaN on this rank's shards
+        # 3. mean, unscale, look for inf/NaN on this rank's shards (4: agreed by one all-reduce, MAX)
         #    (no rank's gradients can make a mean non-finite, and no loss scaler: the mean alone)
+        found_inf = False
         if check:
-            found_inf = torch.tensor([float(self._unscale_and_check(shard_grads))], dtype=torch.float64,
-                                     device=self.device)
-            # 4. one small all-reduce (MAX) of found_inf: every rank skips (or raises) together
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
-            found_inf = bool(found_inf.item())
+            found_inf = agree(None, self.rank, self.process_group, self.device, "DistributedOptimizer",
+                              verdict=self._unscale_and_check(shard_grads))[0]
         else:
             self._mean_(shard_grads)
-            found_inf = False
         if found_inf and self.loss_scaler is None:
             self._raise_non_finite(saved)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-        self.found_inf = found_inf
         self.last_grad_norm = None
-        if found_inf:
-            self.skipped_steps += 1
-            return loss
-        self._take_up_outside_writes()
+        if found_inf:   # the template updates the loss scaler and counts the skipped step
+            return True
+        self.take_up_outside_writes()
         # 5. the pieces' gradients; a parameter without a gradient on every rank is not stepped
-        stepped = []
         for piece, target, grad in zip(self.pieces, self._piece_params, self._piece_grads):
-            target.grad = grad if status[2 + piece.index] else None
-            if target.grad is not None:
-                stepped.append(target)
-        # 6. clip by the norm over the group: each rank's pieces are its own (counted once)
-        #    (a chain's one global norm: extra_grad_sumsq adds the other members' squares)
-        if extra_grad_sumsq is not None or self.max_grad_norm is not None:
-            self.last_grad_norm = _clip_by_group_norm(stepped, self.max_grad_norm, self.process_group,
-                                                      None if extra_grad_sumsq is None else float(extra_grad_sumsq))
+            target.grad = grad if has_grad[piece.index] else None
+        return False
+
+    def _raise_non_finite(self, saved: dict | None) -> None:
+        """Put back the flat gradient buffers from ``saved`` (their copies from before the reduction: the
+        ``.grad`` views are then unchanged) and raise on every rank, naming the first non-finite parameter
+        over the group (:func:`~optbook.distributed._comm.raise_nonfinite_across`)."""
+        bad = first_nonfinite(self._piece_grads)   # the error path: synchronisations are fine
+        if saved is not None:
+            for dtype, buf in self.grad_buffers.items():
+                buf.copy_(saved[dtype])
+        raise_nonfinite_across("DistributedOptimizer", None if bad is None else self.pieces[bad].index,
+                               self.param_groups, self.process_group, self.device,
+                               advice="There is no loss_scaler to skip the step: find the source of the "
+                                      "non-finite value, or pass loss_scaler= to skip such steps")
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [t for t in self._piece_params if t.grad is not None]
+
+    def grad_sumsq(self) -> float:
+        """The sum of squares of the prepared mean gradients over the group (a collective: one all-reduce;
+        each element counted once), for a chain's one global norm."""
+        return float(get_grad_norm(self._stepped(), group=self.process_group).square())
+
+    def scale_grads(self, coefficient: float) -> None:
+        """Multiply this rank's prepared gradient pieces by ``coefficient`` (a chain's clip)."""
+        scale_grads_([t.grad for t in self._stepped()], coefficient)
+
+    @torch.no_grad()
+    def clip_grads(self) -> float | None:
+        """Phase 2 of :meth:`step` (a collective when ``max_grad_norm`` is set): the global L2 norm of the
+        prepared mean gradients over the group (each element counted once), kept in :attr:`last_grad_norm`
+        and returned, and the pieces scaled by :func:`optbook.clipping.clip_coefficient`; ``None`` (nothing
+        computed) without ``max_grad_norm``."""
+        if self.max_grad_norm is None and self._extra_sumsq is None:
+            return None
+        self.last_grad_norm = _clip_by_group_norm(self._stepped(), self.max_grad_norm, self.process_group,
+                                                  None if self._extra_sumsq is None else float(self._extra_sumsq))
+        return self.last_grad_norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Phase 3 of :meth:`step` (local, after :meth:`prepare_grads` returned ``False``): the inner
+        optimizer's step on this rank's pieces; :meth:`publish_weights` follows."""
         # 7. the inner step on this rank's shard, with the hyperparameters of param_groups. Its own look
         #    for inf/NaN would be a second pass: the mean is known finite here (checked in 3, or bounded
         #    by every rank's norms in 0), and clipping scales it by at most 1
@@ -631,9 +592,3 @@ class DistributedOptimizer(Zero1Checkpoints, torch.optim.Optimizer):
             self.optimizer.step()
         for target in self._piece_params:
             target.grad = None
-        # 8. masters -> low-precision parameter shard; 9. all-gather the parameters
-        for b, master in self.master_shards.items():
-            self._shard(self.param_buffers, b).copy_(master)
-        for b in range(len(self.layout.buckets)):
-            self._gather(b)
-        return loss

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._functional import in_float32, write_back
-from .._checks import check_lr, check_number, check_weight_decay
+from .._checks import check_bool, check_lr, check_number, check_weight_decay
 from .optimizer import BookOptimizer
 
 __all__ = ["Adafactor", "adafactor"]
@@ -41,7 +41,8 @@ __all__ = ["Adafactor", "adafactor"]
 @torch.no_grad()
 def adafactor(params: list[torch.Tensor], grads: list[torch.Tensor], row_vars: list[torch.Tensor | None],
               col_vars: list[torch.Tensor | None], variances: list[torch.Tensor | None], steps: list[int], *,
-              lr: float, beta2_decay: float, eps1: float | None, eps2: float, d: float, weight_decay: float) -> None:
+              lr: float, beta2_decay: float, eps1: float | None, eps2: float, d: float, weight_decay: float,
+              maximize: bool = False) -> None:
     """Apply one Adafactor step in place (the pure function behind :class:`Adafactor`).
 
     Args:
@@ -50,13 +51,15 @@ def adafactor(params: list[torch.Tensor], grads: list[torch.Tensor], row_vars: l
             ``(..., 1, n)`` EMAs, else ``None``; updated in place (float32 for a float16/bfloat16 parameter).
         variances: for a 0-D/1-D parameter its unfactored EMA (its shape), else ``None``; updated in place.
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
-        lr, beta2_decay, eps1, eps2, d, weight_decay: as in :class:`Adafactor` (``eps1=None``: the
-            parameter dtype's machine epsilon); not re-validated here.
+        lr, beta2_decay, eps1, eps2, d, weight_decay, maximize: as in :class:`Adafactor` (``eps1=None``:
+            the parameter dtype's machine epsilon); not re-validated here.
     """
     for p0, g, r, c, v, t in zip(params, grads, row_vars, col_vars, variances, steps):
         e1 = torch.finfo(p0.dtype).eps if eps1 is None else eps1
         (p,) = in_float32([p0])   # float32 work for float16/bfloat16, rounded back once
         g = g.to(p.dtype)
+        if maximize:   # ascend: the statistics see G*G either way, the update follows -G
+            g = -g
         one_minus_beta2 = t ** beta2_decay
         alpha = max(eps2, float(p.norm()) / p.numel() ** 0.5) * min(lr, t ** -0.5)
         if weight_decay:
@@ -86,24 +89,33 @@ class Adafactor(BookOptimizer):
         beta2_decay: exponent ``<= 0`` of ``1 - beta2_t = t ** beta2_decay``.
         eps: ``(eps1, eps2)``: floor of the second-moment estimate (``None``: the dtype's machine
             epsilon) and floor of the parameter RMS in the relative step.
-        d: update-clipping threshold ``> 0`` on ``RMS(U)``.
+        d: update-clipping threshold on ``RMS(U)``, ``>= 1`` (as ``torch.optim.Adafactor``). Shazeer & Stern
+            (2018), sec. 6 and Algorithms 4-5, clip ``U / max(1, RMS(U) / d)`` against the "larger-than-desired
+            updates" (their abstract) of a second-moment estimate that lags behind, with ``d = 1`` in their
+            experiments. Where the estimate is right, ``RMS(U)`` is about 1, so a ``d < 1`` would scale
+            (nearly) every update down by ``d`` -- a smaller ``lr``, not a safeguard -- and is refused.
         weight_decay: decoupled decay ``>= 0`` multiplied by ``lr``.
+        maximize: ascend the objective (the update follows ``+G``), as ``torch.optim.Adafactor(maximize=True)``.
+        foreach: not taken (``None``/``False`` accepted, ``True`` refused: this class steps one tensor at a
+            time, :mod:`optbook.optim._torch_arguments`).
 
     State per parameter: ``step`` (int); ``row_var`` ``(..., m, 1)`` and ``col_var`` ``(..., 1, n)`` for
     factored tensors, ``variance`` (parameter's shape) otherwise; in the parameter's dtype, float32 for a
     float16/bfloat16 parameter (whose step is computed in float32 and rounded back once).
 
     Raises:
-        ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`.
+        ValueError, TypeError: as for every optimizer of :mod:`optbook.optim`; ``ValueError`` for ``d < 1``.
     """
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "beta2_decay", "eps", "d", "weight_decay")
     state_scalars = {"step": "count"}
+    nonnegative_state = ("row_var", "col_var", "variance")   # EMAs of G*G: refused negative at load
 
     def __init__(self, params, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
-                 weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
+                 weight_decay: float = 0.0, *, maximize: bool = False):
+        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
+                                      maximize=maximize))
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -114,8 +126,9 @@ class Adafactor(BookOptimizer):
         if eps[0] is not None:
             check_number("eps[0]", eps[0], low=0.0)
         check_number("eps[1]", eps[1], low=0.0)
-        check_number("d", group["d"], low=0.0, low_open=True)
+        check_number("d", group["d"], low=1.0)
         check_weight_decay(group["weight_decay"])
+        check_bool("maximize", group["maximize"])
 
     def _expected_state(self, p, group):
         work = torch.promote_types(p.dtype, torch.float32)   # statistics never in float16/bfloat16
@@ -141,4 +154,4 @@ class Adafactor(BookOptimizer):
         adafactor(params, [p.grad for p in params], [s.get("row_var") for s in states],
                   [s.get("col_var") for s in states], [s.get("variance") for s in states],
                   [s["step"] for s in states], lr=group["lr"], beta2_decay=group["beta2_decay"], eps1=eps1,
-                  eps2=eps2, d=group["d"], weight_decay=group["weight_decay"])
+                  eps2=eps2, d=group["d"], weight_decay=group["weight_decay"], maximize=group["maximize"])

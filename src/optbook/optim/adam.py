@@ -31,9 +31,8 @@ import math
 
 import torch
 
-from ._blocks import GRAIN, for_blocks, usable
-from ._functional import LOW_PRECISION, in_float32, use_foreach, write_back
-from ._sharded import local
+from ._functional import LOW_PRECISION, check_fused, in_float32, use_foreach, write_back
+from .._sharded import local
 from .._checks import check_betas, check_bool, check_eps, check_foreach, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 
@@ -44,7 +43,8 @@ __all__ = ["Adam", "AdamW", "adam"]
 def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
          exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, beta1: float, beta2: float,
          eps: float, weight_decay: float, decoupled_weight_decay: bool, foreach: bool = False,
-         amsgrad: bool = False, maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
+         amsgrad: bool = False, maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None,
+         fused: bool = False) -> None:
     """Apply one Adam (``decoupled_weight_decay=False``) or AdamW step in place.
 
     Args:
@@ -53,16 +53,19 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         steps: the step number ``t >= 1`` of each parameter, *after* counting this step.
         lr, beta1, beta2, eps, weight_decay: hyperparameters (not re-validated here).
         decoupled_weight_decay: AdamW's ``p *= 1 - lr * weight_decay`` instead of L2 in the gradient.
-        foreach: use ``torch._foreach_*`` kernels (pays on GPUs). The other path runs tensors under
-            32768 elements (which ATen's CPU kernels run on one thread) through the foreach kernels
-            together, one Python call per operation, and cuts the larger contiguous CPU tensors into
-            blocks stepped by worker threads, every line on one block before the next block
-            (:mod:`optbook.optim._blocks`: one wake-up of the threads per step instead of one per line per
-            tensor); anything else is stepped a whole tensor at a time. Every path computes every element
-            with the same operations, so they agree bitwise.
+        foreach: one ``torch._foreach_*`` call per line of the update for the whole list; otherwise one
+            parameter at a time, whole tensors. The two compute every element with the same kernels, so
+            they agree bitwise.
         amsgrad: divide by the running maximum of ``v``, kept in ``max_exp_avg_sqs`` (one tensor per
             parameter, updated in place; required when ``amsgrad``).
         maximize: step along ``+g`` (gradient ascent).
+        fused: hand the whole step to torch's fused kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``,
+            one pass over memory per tensor, the kernel of ``torch.optim.Adam(fused=True)``), called per
+            device and dtype with the step counts as float32 tensors, as ``torch.optim``'s ``_fused_adam``
+            calls it: bitwise ``torch.optim.Adam/AdamW(fused=True)``. The same algorithm as the other
+            paths, with the arithmetic in another order, so it rounds differently (float64 over 10 steps:
+            within 1e-14 relative, ``tests/test_fused.py``).
+            A float16/bfloat16 parameter goes as it is (the kernel computes in float32 and rounds once).
 
     Raises:
         ValueError: ``amsgrad`` without one ``max_exp_avg_sqs`` tensor per parameter.
@@ -71,6 +74,11 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         return
     if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != len(params)):
         raise ValueError("Invalid max_exp_avg_sqs: amsgrad=True needs one tensor per parameter")
+    if fused:
+        _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                    maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        return
     if any(p.dtype in LOW_PRECISION for p in params):  # the same step in float32, rounded back once
         work = [in_float32(x) for x in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [])]
         adam(*work[:4], steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -83,50 +91,47 @@ def adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[t
         grads = torch._foreach_neg(grads)
     c1 = [1 - beta1 ** t for t in steps]
     c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
-    decay = weight_decay and decoupled_weight_decay
     if weight_decay and not decoupled_weight_decay:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
-
-    def together(indices):  # every line for a list of parameters, one torch._foreach_* call per line
-        ps, gs, ms, vs = ([xs[i] for i in indices] for xs in (params, grads, exp_avgs, exp_avg_sqs))
-        if decay:
-            torch._foreach_mul_(ps, 1 - lr * weight_decay)
-        torch._foreach_lerp_(ms, gs, 1 - beta1)
-        torch._foreach_mul_(vs, beta2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+    decay = 1 - lr * weight_decay if decoupled_weight_decay else 1.0
+    if foreach:   # one call per line for the whole list
+        if decay != 1.0:
+            torch._foreach_mul_(params, decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         if amsgrad:
-            maxs = [max_exp_avg_sqs[i] for i in indices]
-            torch._foreach_maximum_(maxs, vs)
-            vs = maxs
-        denoms = torch._foreach_sqrt(vs)
-        torch._foreach_add_(denoms, [eps * c2[i] for i in indices])
-        torch._foreach_addcdiv_(ps, ms, denoms, [-lr * c2[i] / c1[i] for i in indices])
-
-    def one(i, p, g, m, v, *more):  # every line for one parameter or one block of it
-        if decay:
-            p.mul_(1 - lr * weight_decay)
+            torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denoms = torch._foreach_sqrt(max_exp_avg_sqs if amsgrad else exp_avg_sqs)
+        torch._foreach_add_(denoms, [eps * b for b in c2])
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * b / a for a, b in zip(c1, c2)])
+        return
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):   # the same lines, a tensor at a time
+        if decay != 1.0:
+            p.mul_(decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if amsgrad:
-            v = torch.maximum(more[0], v, out=more[0])
-        denom = torch.sqrt(v, out=more[-1])
-        denom.add_(eps * c2[i])
+            v = torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
+        denom = v.sqrt().add_(eps * c2[i])
         p.addcdiv_(m, denom, value=-lr * c2[i] / c1[i])
 
-    if foreach:
-        together(range(len(params)))
-        return
-    # tensors too small for an intra-op thread pool go together through the foreach kernels (the same
-    # kernels one tensor at a time, bitwise the same, one Python call per line), on a worker thread
-    small = [i for i, p in enumerate(params) if p.numel() < GRAIN]
-    rows = {i: (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *([max_exp_avg_sqs[i]] if amsgrad else []))
-            for i in range(len(params)) if params[i].numel() >= GRAIN}
-    blocked = [i for i, row in rows.items() if usable(row)]
-    for_blocks(lambda k, *views: one(blocked[k], *views), [rows[i] for i in blocked],
-               extra=[(lambda: together(small), sum(params[i].numel() for i in small))] if small else ())
-    for i, row in rows.items():  # a non-contiguous tensor, or foreach=False off the CPU: whole tensors
-        if i not in blocked:
-            one(i, *row, None)
+
+def _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                weight_decay, amsgrad, maximize, decoupled_weight_decay) -> None:
+    """torch's fused Adam/AdamW kernel, once per (device, dtype); ``steps`` already count this step."""
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    groups: dict = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), indices in groups.items():
+        def pick(xs):
+            return [xs[i] for i in indices]
+        # torch.optim keeps the count as a float32 tensor for its fused kernels (_get_scalar_dtype(is_fused))
+        counts = [torch.tensor(float(steps[i]), dtype=torch.float32, device=device) for i in indices]
+        kernel(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+               pick(max_exp_avg_sqs) if amsgrad else [], counts, amsgrad=amsgrad, lr=lr, beta1=beta1,
+               beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None)
 
 
 class _AdamBase(BookOptimizer):
@@ -134,13 +139,14 @@ class _AdamBase(BookOptimizer):
     elementwise = True
     state_tensors = 2  #: parameter-sized state tensors (exp_avg, exp_avg_sq), for optbook.memory
     state_scalars = {"step": "count"}
+    nonnegative_state = ("exp_avg_sq", "max_exp_avg_sq")   # second moments: refused negative at load
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 amsgrad: bool, maximize: bool, foreach: bool | None):
+                 amsgrad: bool, maximize: bool, foreach: bool | None, fused: bool | None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach)
+                        maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -151,6 +157,10 @@ class _AdamBase(BookOptimizer):
         check_bool("amsgrad", group["amsgrad"])
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
+        check_fused(group)
+        if group["fused"] and self.compiled is not None:
+            raise ValueError("Invalid fused=True: this optimizer's arithmetic runs through compiled_step's "
+                             "torch.compile-d kernel, and fused=True hands it to torch's fused kernel; choose one")
 
     def _expected_state(self, p, group):
         like = (tuple(p.shape), p.dtype)
@@ -198,12 +208,14 @@ class _AdamBase(BookOptimizer):
              lr=group["lr"],
              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
              decoupled_weight_decay=self._decoupled, foreach=foreach, amsgrad=amsgrad,
-             maximize=group["maximize"], max_exp_avg_sqs=local(max_exp_avg_sqs) if amsgrad else None)
+             maximize=group["maximize"], max_exp_avg_sqs=local(max_exp_avg_sqs) if amsgrad else None,
+             fused=bool(group["fused"]))
 
 
 _ARGS_DOC = """
     Args:
-        params: iterable of real floating-point tensors or of param-group dicts.
+        params: iterable of real floating-point tensors, of ``(name, tensor)`` pairs
+            (``model.named_parameters()``: the names go to each group's ``param_names``), or of param-group dicts.
         lr: learning rate ``alpha`` (parameter units per step at unit normalised gradient), ``>= 0``.
         betas: EMA coefficients ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)`` (outside the root), ``> 0``.
@@ -212,7 +224,13 @@ _ARGS_DOC = """
             ``torch.optim.{name}(amsgrad=True)``.
         maximize: maximise the objective (step along ``+g``), as ``torch.optim.{name}(maximize=True)``.
         foreach: force (``True``) or forbid (``False``) the ``torch._foreach_*`` path; ``None``
-            picks it when every parameter of the group is on a CUDA device.
+            picks it (on the CPU and on devices with foreach kernels; the per-tensor loop gives the same bits).
+        fused: ``True`` hands the step to torch's fused kernel (``torch._fused_{kernel}_``, one pass over
+            memory per tensor): bitwise ``torch.optim.{name}(fused=True)``, the same algorithm as the
+            default path rounded otherwise (:func:`adam`'s ``fused``). ``None``/``False``: not fused.
+            Refused with ``foreach=True`` and for a parameter on a device torch has no fused kernel for.
+
+    torch's ``differentiable`` and ``capturable`` are refused unless ``False`` (``BookOptimizer``).
 
     State per parameter: ``step`` (``int``), ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape
     and dtype), and ``max_exp_avg_sq`` (same) when ``amsgrad``. A parameter whose ``grad`` is ``None`` is skipped entirely (no decay, no count).
@@ -223,29 +241,34 @@ _ARGS_DOC = """
             (:class:`~optbook.contract.NonFiniteGradientError`, nothing written: ``torch.optim`` writes
             the NaN into the weights instead).
         TypeError: integer, bool or complex parameters; sparse gradients or gradients of another dtype;
-            ``amsgrad`` or ``maximize`` not a bool, ``foreach`` not ``None``/``True``/``False``.
+            ``amsgrad`` or ``maximize`` not a bool, ``foreach``/``fused`` not ``None``/``True``/``False``.
 """
 
 class Adam(_AdamBase):
     __doc__ = ("Adam (Kingma & Ba 2015, Algorithm 1) with optional coupled L2 weight decay.\n"
-               + _ARGS_DOC.format(name="Adam", wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
-                                     "rescaled by the adaptive denominator (chapter 3, Prop. 2)."))
+               + _ARGS_DOC.format(name="Adam", kernel="adam", wd="coupled L2: ``lambda * p`` is added to the gradient, so it is "
+                                     "rescaled by the adaptive denominator (chapter 3, Prop. 2).")
+               + "\n    ``decoupled_weight_decay``: only ``False``; torch 2.13's ``Adam(decoupled_weight_decay=True)``"
+                 " is AdamW,\n    which is :class:`AdamW` here (``ValueError`` otherwise).\n")
     _decoupled = False
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False,
-                 *, foreach: bool | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach)
+                 *, foreach: bool | None = None, fused: bool | None = None, decoupled_weight_decay: bool = False):
+        if decoupled_weight_decay is not False:
+            raise ValueError(f"Invalid decoupled_weight_decay={decoupled_weight_decay!r}: torch's "
+                             "Adam(decoupled_weight_decay=True) is AdamW; use optbook.optim.AdamW. Accepted here: False")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused)
 
 
 class AdamW(_AdamBase):
     __doc__ = ("AdamW (Loshchilov & Hutter 2019, Algorithm 2) in PyTorch's parametrisation.\n"
-               + _ARGS_DOC.format(name="AdamW", wd="decoupled: ``p *= 1 - lr * lambda`` before the Adam update, "
+               + _ARGS_DOC.format(name="AdamW", kernel="adamw", wd="decoupled: ``p *= 1 - lr * lambda`` before the Adam update, "
                                      "so the decay follows the (scheduled) lr; equals "
                                      "``torch.optim.AdamW``'s ``weight_decay``."))
     _decoupled = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
-                 *, foreach: bool | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach)
+                 *, foreach: bool | None = None, fused: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused)

@@ -1,11 +1,23 @@
 """AdaMuon: an element-wise second moment on Muon's orthogonalised update. Explained in chapter 18.
 
-Source: Si, Zhang & Shen (2025), "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005, Algorithm 1; the
-authors' code Chongjie-Si/AdaMuon commit 3b84e03186b7c58a5e4bf70175896bea7f4c5d4f ``adamuon.py`` (EMA
-momentum with Nesterov, ``v`` with bias correction, ``eps`` outside the root, the rescale to
-``sqrt(min(m, n)) / (||.||_F + eps)`` and the step ``lr * 0.2 * sqrt(max(m, n))``). Read alongside
-NVIDIA-NeMo/Emerging-Optimizers ``adaptive_muon.py`` (``moment2_method="adamuon"``, no bias correction)
-and pytorch-optimizer 4.1.0 ``AdaMuon`` (no Nesterov).
+Source: Si, Zhang & Shen (2025), "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005. Two versions:
+
+- ``version="2025-08"`` (default, the current one): arXiv v2 (its abstract: "a sign-stabilized orthogonal
+  update, where the momentum is first sign-transformed before orthogonalization") and the authors' code
+  Chongjie-Si/AdaMuon commit 369f0b3bd9d97f82bb8ba81664207ac513e233b0 (August 2025),
+  ``gpt2/models/optimizers/adamuon.py``: ``O = NS(sign(D))``; ``v`` an EMA of ``O * O`` *without* bias
+  correction, with the momentum coefficient as its decay (the code reuses ``group["momentum"]``: our
+  ``beta2`` defaults to the same 0.95); ``A = O / (sqrt(v) + eps)``; the step ``lr * 0.2 sqrt(mn) A /
+  (||A||_F + eps)``.
+- ``version="2025-07"``: arXiv v1 and the authors' first code, commit
+  3b84e03186b7c58a5e4bf70175896bea7f4c5d4f ``adamuon.py``: ``O = NS(D)`` (no sign), ``v`` with bias
+  correction and decay ``beta2`` (0.999 there: pass ``beta2=0.999`` to reproduce it), the same rescale.
+
+Both: EMA momentum with Nesterov, ``eps`` outside the root, the rescale to ``sqrt(min(m, n)) / (||.||_F +
+eps)`` and the step ``lr * 0.2 * sqrt(max(m, n))`` (together ``0.2 sqrt(mn) / (||A||_F + eps)``, the
+current code's form). Read alongside NVIDIA-NeMo/Emerging-Optimizers ``adaptive_muon.py``
+(``moment2_method="adamuon"``, no bias correction) and pytorch-optimizer 4.1.0 ``AdaMuon`` (no Nesterov,
+no sign: the July version).
 
 Derivation. Adam divides each coordinate of the momentum by the RMS of its history; Muon replaces the
 momentum by its polar factor ``O``, whose entries all have RMS ``1/sqrt(max(m, n))`` on average but not
@@ -13,9 +25,9 @@ one by one. AdaMuon applies Adam's second moment to ``O`` itself, then restores 
 that the learning rate keeps Muon's (or AdamW's) meaning::
 
     M <- lerp(M, G, 1 - momentum);  D = lerp(G, M, momentum) if nesterov else M    (Muon, chapter 6)
-    O <- newton_schulz(D)                                   (m, n) = (fan_out, fan_in)
+    O <- newton_schulz(sign(D))   ("2025-08";  newton_schulz(D) in "2025-07")     (m, n) = (fan_out, fan_in)
     v <- beta2 v + (1 - beta2) O * O                        element-wise, (m, n)
-    A <- O / (sqrt(v / (1 - beta2**t)) + eps)
+    A <- O / (sqrt(v) + eps)      ("2025-08";  O / (sqrt(v / (1 - beta2**t)) + eps) in "2025-07")
     A <- A * sqrt(min(m, n)) / (||A||_F + eps)              ||A||_F = ||polar(D)||_F for a full-rank D
     W <- W (1 - lr * weight_decay) - lr * scale * A         scale = muon_scale(shape, scale_mode, ...)
 
@@ -30,21 +42,25 @@ import math
 
 import torch
 
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
-from .muon import muon_scale
+from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
-__all__ = ["AdaMuon", "adamuon"]
+__all__ = ["ADAMUON_VERSIONS", "AdaMuon", "adamuon"]
+
+#: The versions of AdaMuon (module docstring): the current one first (the default).
+ADAMUON_VERSIONS = ("2025-08", "2025-07")
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, momentum: float, nesterov: bool,
             beta2: float, weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
             ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
-            extra_scale_factor: float = 0.2) -> None:
+            extra_scale_factor: float = 0.2, version: str = "2025-08") -> None:
     """Apply one AdaMuon step in place (the pure function behind :class:`AdaMuon`).
 
     Args:
@@ -52,25 +68,17 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
             parameter; the buffers (``M`` and ``v``) are updated in place.
         steps: the step number ``t >= 1`` of each parameter, after counting this step.
         lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
-            extra_scale_factor: as in :class:`AdaMuon`; not re-validated here.
+            extra_scale_factor, version: as in :class:`AdaMuon`; not re-validated here.
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
-    if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, exp_avg_sqs)]
-        adamuon(*work, steps, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
-                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                extra_scale_factor=extra_scale_factor)
-        for target, result in zip((params, momentum_buffers, exp_avg_sqs), (work[0], work[2], work[3])):
-            write_back(target, result)
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
-        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype).to(p.dtype)
+        current = version == "2025-08"
+        O = orthogonalize(torch.sign(d) if current else d, ns_steps=ns_steps, coefficients=coefficients,
+                          ns_dtype=ns_dtype).to(p.dtype)
         v.mul_(beta2).addcmul_(O, O, value=1 - beta2)
-        A = O.div_((v / (1 - beta2 ** t)).sqrt_().add_(eps))
+        A = O.div_((v.sqrt() if current else (v / (1 - beta2 ** t)).sqrt_()).add_(eps))
         A.mul_(math.sqrt(min(p.shape)) / (torch.linalg.vector_norm(A) + eps))
         p.mul_(1 - lr * weight_decay).sub_(A, alpha=lr * muon_scale(p.shape, scale_mode, extra_scale_factor))
 
@@ -85,13 +93,23 @@ class AdaMuon(BookOptimizer):
         lr: learning rate ``>= 0``; with the default scale the update's RMS is ``0.2 * lr``.
         momentum: EMA coefficient of the first moment, in ``[0, 1)``.
         nesterov: look-ahead direction ``lerp(G, M, momentum)`` (the authors' default); needs ``momentum > 0``.
-        beta2: EMA coefficient of the element-wise second moment, in ``[0, 1)`` (0.999 in the authors' code).
+        beta2: EMA coefficient of the element-wise second moment, in ``[0, 1)``; default 0.95, the current
+            authors' code's (its momentum coefficient); 0.999 in the July 2025 code.
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr``.
         eps: added to ``sqrt(v_hat)`` (outside the root) and to the Frobenius norm of the rescale, ``> 0``.
         ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and its dtype, as in
             :class:`~optbook.optim.Muon`.
+        version: ``"2025-08"`` (default: sign before Newton–Schulz, no bias correction) or ``"2025-07"``
+            (the first version, arXiv v1); see the module docstring.
         scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`; the defaults
             (``"spectral"``, ``0.2``) are the paper's ``0.2 * sqrt(max(m, n))``.
+
+    Tiny gradients: every non-zero gradient, rounding noise included, gets a full-size step (a float64
+    gradient of Frobenius norm 2e-16 or 1.6e-19 moves the weights as far as one of norm 1). This is the
+    algorithm, not the orthogonalisation's floor: ``O / (sqrt(v_hat) + eps)`` has entries of size about 1
+    whatever the size of ``O``, and the rescale to ``sqrt(min(m, n)) / ||A||_F`` restores the full norm,
+    so no floor in Newton–Schulz (``torch.optim.Muon``'s ``eps``; :class:`~optbook.optim.Muon`'s
+    ``scale_invariant=False``) could shrink it; the reference code behaves the same way.
 
     State per parameter: ``step`` (``int``), ``momentum_buffer`` and ``exp_avg_sq`` (the parameter's shape
     and dtype). A float16/bfloat16 parameter is stepped in float32.
@@ -107,14 +125,18 @@ class AdaMuon(BookOptimizer):
     float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
     state_scalars = {"step": "count"}
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.999,
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
                  ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
-                 extra_scale_factor: float = 0.2):
+                 extra_scale_factor: float = 0.2, version: str = "2025-08"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
-                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                                      extra_scale_factor=extra_scale_factor))
+                                      coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
+                                      scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
+                                      version=version))
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -123,6 +145,9 @@ class AdaMuon(BookOptimizer):
         check_weight_decay(group["weight_decay"])
         check_eps(group["eps"])
         check_orthogonalisation(group)
+        group.setdefault("version", "2025-07")   # a group saved before the option existed: the version it ran
+        if group["version"] not in ADAMUON_VERSIONS:
+            raise ValueError(f"Invalid version: expected one of {ADAMUON_VERSIONS}, got {group['version']!r}")
 
     def _expected_state(self, p, group):
         like = (tuple(p.shape), p.dtype, True)
@@ -141,4 +166,4 @@ class AdaMuon(BookOptimizer):
                 lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                 weight_decay=group["weight_decay"], eps=group["eps"], ns_steps=group["ns_steps"],
                 coefficients=group["coefficients"], ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
-                extra_scale_factor=group["extra_scale_factor"])
+                extra_scale_factor=group["extra_scale_factor"], version=group.get("version", "2025-07"))

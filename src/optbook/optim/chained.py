@@ -13,15 +13,13 @@ that reads and writes the owning member's state.
 from __future__ import annotations
 
 import copy
-import math
 import re
-from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
 
 import torch
 
-from .optimizer import BookOptimizer, check_state_layout, nonfinite_checked_by_caller, raise_nonfinite
-from ..contract import closure_loss
+from .optimizer import BookOptimizer, check_state_layout
+from ..wrapper import OptimizerWrapper, pack_state_dict
 
 __all__ = ["ChainedOptimizer"]
 
@@ -85,16 +83,19 @@ def _check_member(i: int, opt) -> None:
     holds each rank's local gradients, whose norm is not the global one, and a rank raising alone would
     leave the others waiting in a collective.
     """
+    if type(opt).__name__ == "FSDP2Muon":
+        raise TypeError(f"Invalid optimizers: element {i} is an FSDP2Muon, whose gradients are this rank's shards: "
+                        "the chain's one global norm and inf/NaN check would see only them; step FSDP2Muon and "
+                        "the optimizer of the other parameters side by side")
     if type(opt).__module__.startswith("optbook.distributed"):
         raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, a distributed optimizer; "
                         "chain it with optbook.distributed.DistributedChain, which clips by the norm of the "
                         "averaged gradients across ranks")
-    from ..precision import MixedPrecisionOptimizer   # precision imports this package: here, not at the top
-
-    if isinstance(opt, MixedPrecisionOptimizer):
-        raise TypeError(f"Invalid optimizers: element {i} is a MixedPrecisionOptimizer, whose masters' gradients "
-                        "the chain cannot check or clip before it steps; wrap the chain instead: "
-                        "MixedPrecisionOptimizer(ChainedOptimizer([...]), loss_scaler)")
+    if isinstance(opt, OptimizerWrapper) and not opt.chain_member:
+        name = type(opt).__name__
+        raise TypeError(f"Invalid optimizers: element {i} is a {name}, whose masters' gradients "
+                        f"the chain cannot check or clip before it steps; wrap the chain instead: "
+                        f"{name}(ChainedOptimizer([...]), loss_scaler)")
 
 
 def _chain_groups(message: str, first: int) -> str:
@@ -108,7 +109,7 @@ def _member_error(error: Exception, k: int, opt, message: str) -> Exception:
     return type(error)(f"{message} (member {k}, {type(opt).__name__}, of the chain)")
 
 
-class ChainedOptimizer(torch.optim.Optimizer):
+class ChainedOptimizer(OptimizerWrapper):
     """Chain ``optimizers`` (e.g. ``[Muon(...), AdamW(...)]``) into one optimizer.
 
     Args:
@@ -117,18 +118,20 @@ class ChainedOptimizer(torch.optim.Optimizer):
             *global* L2 norm (one norm over every parameter, :func:`optbook.clipping.clip_grad_norm_`),
             not one norm per member.
 
-    ``step()`` is atomic:
+    ``step()`` is the template of :class:`optbook.wrapper.OptimizerWrapper` (Megatron-LM's
+    ``ChainedOptimizer``: the members' gradients prepared, one global clip, then each member's
+    ``step_with_ready_grads``), and it is atomic:
 
-    1. every member that is an :class:`optbook.optim.BookOptimizer` or an
-       :class:`~optbook.memory.OffloadOptimizer` validates its hyperparameters and gradients (a bad value
-       raises before *any* member writes);
-    2. one check over every gradient of every member, the global gradient norm (clipped to
-       ``max_grad_norm`` if set; a non-finite norm leaves the gradients as they are): if any gradient
-       holds ``inf`` or ``NaN``, :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and
-       nothing is written (the step contract of :mod:`optbook.contract`: the chain has no loss scaler;
-       wrap it in :class:`optbook.precision.MixedPrecisionOptimizer` with one to skip such steps). The
-       members do not check again (:func:`~optbook.optim.optimizer.nonfinite_checked_by_caller`);
-    3. each member's ``step()`` in order.
+    1. one check over every gradient of every member, the global gradient norm (float64 sums of squares,
+       finite exactly when every element is): if any gradient holds ``inf`` or ``NaN``,
+       :class:`~optbook.contract.NonFiniteGradientError` is raised naming it and nothing is written (the step
+       contract of :mod:`optbook.contract`: the chain has no loss scaler; wrap it in
+       :class:`optbook.precision.MixedPrecisionOptimizer` with one to skip such steps). A member that is a
+       wrapper (:class:`~optbook.memory.OffloadOptimizer`) prepares its own gradients first;
+    2. every optbook member validates its hyperparameters and gradients, once (a bad value raises before
+       *any* member writes; the message names the chain's group and the member);
+    3. the gradients are clipped to ``max_grad_norm`` by that same norm, if set;
+    4. each member steps in order, without validating again.
 
     Members from ``torch.optim`` validate inside their own ``step()``, after the members before them
     have stepped; use optbook's classes where the step must be atomic.
@@ -180,17 +183,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid max_grad_norm: expected > 0 or None, got {max_grad_norm!r}")
         self.optimizers = members
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: torch.Tensor | None = None
-        self.found_inf = False
-        self.skipped_steps = 0
         self.defaults = self._merged_defaults()
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        self._init_wrapper()
+
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The members, in step order."""
+        return self.optimizers
 
     def _merged_defaults(self) -> dict:
         """The members' defaults, first member first; ``momentum`` only when members mix the keys."""
@@ -265,56 +263,17 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     if "momentum" in group:
                         group["betas"] = (group["momentum"], *group["betas"][1:])
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Validate every member, check every gradient once, clip, then step each member.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss (run once,
-                with gradients enabled).
-
-        Returns:
-            The closure's loss, or ``None`` (as ``torch.optim.Optimizer.step``).
-
-        Raises:
-            NonFiniteGradientError: a gradient of any member holds ``inf`` or ``NaN`` (named by its index
-                in the chain's ``param_groups``); no member has written anything. A chain has no loss
-                scaler: to skip such steps, wrap it in :class:`optbook.precision.MixedPrecisionOptimizer`
-                with one.
-            ValueError, TypeError: a member's hyperparameter or gradient is invalid (the message names the
-                group by its index in the chain's ``param_groups`` and the member); no member has written
-                anything when this happens.
-        """
-        loss = closure_loss(closure)
+    # --- the phases of the step (optbook.wrapper); the template step() is the base class's ------------------
+    def validate_leaves(self) -> None:
+        """Copy a scheduler's ``momentum`` into ``betas[0]`` where members mix the keys, then every member's
+        own checks (a skipped step, under a wrapper with a loss scaler, leaves the members untouched)."""
         self._sync_momentum()
-        with nonfinite_checked_by_caller(self.optimizers):  # checked once below, for every member
-            first = 0   # index in the chain's param_groups of the member's first group
-            for k, opt in enumerate(self.optimizers):   # every optbook member validates before any writes
-                if isinstance(opt, BookOptimizer) or hasattr(opt, "_validate"):   # OffloadOptimizer too
-                    try:
-                        opt._validate()
-                    except (TypeError, ValueError) as e:
-                        # the member names its own groups; the caller sees the chain's (as load_state_dict)
-                        raise _member_error(e, k, opt, _chain_groups(str(e), first)) from e
-                first += len(opt.param_groups)
-            named = [(f"param_groups[{gi}]['params'][{pi}]", p) for gi, g in enumerate(self.param_groups)
-                     for pi, p in enumerate(g["params"]) if p.grad is not None and p.numel()]
-            if named:
-                # One reduction over every gradient of every member: the global norm (float64 sums of
-                # squares) is finite exactly when every entry is. A non-finite norm leaves the gradients
-                # untouched (clip_grad_norm_), so nothing has been written when the error is raised.
-                from optbook.clipping import clip_grad_norm_, get_grad_norm
-                params = [p for _, p in named]
-                norm = (clip_grad_norm_(params, self.max_grad_norm) if self.max_grad_norm is not None
-                        else get_grad_norm(params))
-                norm = float(norm)
-                if not math.isfinite(norm):
-                    raise_nonfinite(named)
-                self.last_grad_norm = norm
-            self.found_inf = False
-            for opt in self.optimizers:
-                opt.step()
-        return loss
+        super().validate_leaves()
+
+    def _leaf_error(self, error: Exception, k: int, optimizer) -> Exception:
+        """A member's error with its ``param_groups[g]`` renumbered as the chain's and the member named."""
+        first = sum(len(o.param_groups) for o in self.optimizers[:k])
+        return _member_error(error, k, optimizer, _chain_groups(str(error), first))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -380,20 +339,19 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 # a wrapper member's own dict keeps its own indices; a part's indices are the chain dict's
                 raise _member_error(e, k, opt, str(e) if _own_format(opt) else in_chain_terms(str(e))) from e
 
-    @torch._disable_dynamo
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """PyTorch's layout over every member's groups (``state`` keyed by parameter index over all groups,
         ``param_groups`` concatenated); a member with a state-dict format of its own (a wrapper keeping
         masters or host copies) is also saved whole under ``"members"`` (``{member index: its dict}``)."""
-        sd = super().state_dict()
+        sd = pack_state_dict(self.param_groups, self.state)
         own = {k: opt.state_dict() for k, opt in enumerate(self.optimizers) if _own_format(opt)}
         if own:
             sd["members"] = own
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by :meth:`state_dict` of a chain with the same members and groups; all or
-        nothing.
+        nothing (the base's ``load_state_dict`` runs the hooks and :meth:`check_state_dict` first).
 
         The state dict is in PyTorch's layout (``state`` keyed by parameter index over all groups,
         ``param_groups`` concatenated). It is checked whole first (:meth:`check_state_dict`: every member's
@@ -404,25 +362,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             ValueError, TypeError: as :meth:`check_state_dict` (a missing ``state``, a different number of
                 groups or parameters, a state tensor of another shape or dtype, a bad hyperparameter).
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        self.check_state_dict(state_dict)
         for k, (opt, part) in enumerate(zip(self.optimizers, self._split_state_dict(state_dict))):
             if _own_format(opt):
                 opt.load_state_dict(state_dict["members"][k])
             else:
                 opt.load_state_dict(copy.deepcopy(part) if not isinstance(opt, BookOptimizer) else part)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        inner = ",\n  ".join(repr(o).replace("\n", "\n  ") for o in self.optimizers)
-        return f"ChainedOptimizer(\n  {inner}\n)"

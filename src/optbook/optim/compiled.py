@@ -22,10 +22,12 @@ parameter group, inside its own ``step()``: the usual validation, hooks, schedul
 (``state["step"]`` stays an ``int``, so state dicts are the eager optimizer's) are unchanged. Inductor fuses each parameter's seven element-wise lines into one loop over
 memory, which is what ``torch.optim.AdamW(fused=True)`` does by hand in C++/CUDA.
 
-What still recompiles (guards): a change of the group's ``betas``, ``eps``, ``weight_decay``,
-``amsgrad`` or ``maximize`` (Python constants of the graph), of the set of parameters that have a
-gradient, or of their shapes and dtypes. ``lr`` (float or one-element tensor, as a scheduler sets it)
-and the step count do not.
+What still recompiles (guards): a change of the group's ``amsgrad`` or ``maximize`` (Python constants
+of the graph), Adam's (L2) ``weight_decay`` switched between zero and non-zero, a change of the set of
+parameters that have a gradient, or of their shapes and dtypes. ``lr`` (float or one-element tensor, as a
+scheduler sets it), the step count, ``betas``, ``eps`` and AdamW's ``weight_decay`` do not: they reach the
+graph as rows of :func:`adam_scalars`' float64 tensor, as ``torch.optim``'s compiled optimizers take
+tensor hyperparameters.
 
 Cost: the first call compiles (tens of seconds on a small CPU for a hundred tensors); measured speed in
 ``benchmarks/bench_compiled_step.py`` and the README.
@@ -37,6 +39,7 @@ import torch
 
 from ._functional import LOW_PRECISION
 from .adam import Adam, AdamW
+from ..wrapper import OptimizerWrapper
 from .chained import ChainedOptimizer
 from .muon import Muon, muon
 
@@ -44,36 +47,49 @@ __all__ = ["CompiledMuonStep", "CompiledStep", "adam_elementwise", "adam_scalars
            "compiled_step"]
 
 
-def adam_scalars(steps: torch.Tensor, lr: torch.Tensor, *, beta1: float, beta2: float, eps: float,
-                 weight_decay: float) -> torch.Tensor:
-    """The per-parameter numbers of one Adam step, from the step counts and ``lr`` as tensors.
+def adam_scalars(steps: torch.Tensor, lr: torch.Tensor, *, beta1, beta2, eps, weight_decay,
+                 decoupled_weight_decay: bool = True) -> torch.Tensor:
+    """The per-parameter numbers of one Adam step, from the step counts, ``lr`` and the other
+    hyperparameters as tensors.
 
     Args:
         steps: float64 tensor ``(n,)``, the step number ``t >= 1`` of each parameter after counting this
             step (float64 holds every integer below 2**53 exactly).
         lr: 0-d (or one-element) float64 tensor.
-        beta1, beta2, eps, weight_decay: Python floats.
+        beta1, beta2, eps, weight_decay: Python floats or 0-d tensors (read in float64).
+        decoupled_weight_decay: ``True`` (AdamW): row 2 is ``1 - lr * weight_decay``; ``False`` (Adam's L2):
+            row 2 is 1 and row 6 is ``weight_decay``.
 
     Returns:
-        float64 tensor ``(3, n)``: rows ``-lr * c2 / c1`` (the step size), ``eps * c2`` and
-        ``1 - lr * weight_decay`` (AdamW's decay factor), with ``c1 = 1 - beta1**t``,
-        ``c2 = sqrt(1 - beta2**t)``.
+        float64 tensor ``(7, n)``: rows ``-lr * c2 / c1`` (the step size), ``eps * c2``, AdamW's decay factor,
+        ``1 - beta1``, ``beta2``, ``1 - beta2`` and the L2 coefficient, with ``c1 = 1 - beta1**t``,
+        ``c2 = sqrt(1 - beta2**t)``. ``1 - beta`` is formed here in float64 and rounded once into the
+        parameter's dtype, as a Python float ``1 - beta`` is when the eager step passes it to a kernel.
     """
-    lr = lr.reshape(())
+    f64 = dict(dtype=torch.float64, device=steps.device)
+    lr = lr.reshape(()).to(**f64)
+    beta1, beta2, eps, weight_decay = (torch.as_tensor(x, **f64).reshape(())
+                                       for x in (beta1, beta2, eps, weight_decay))
     c1 = 1 - torch.pow(beta1, steps)
     c2 = torch.sqrt(1 - torch.pow(beta2, steps))
-    return torch.stack([-lr * c2 / c1, eps * c2, (1 - lr * weight_decay).expand_as(c2)])
+    one = torch.ones_like(c2)
+    decay = (1 - lr * weight_decay) * one if decoupled_weight_decay else one
+    l2 = one * (0.0 if decoupled_weight_decay else weight_decay)
+    return torch.stack([-lr * c2 / c1, eps * c2, decay, (1 - beta1) * one, beta2 * one, (1 - beta2) * one, l2])
 
 
 def adam_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                     exp_avg_sqs: list[torch.Tensor], scalars: torch.Tensor, *, beta1: float, beta2: float,
-                     weight_decay: float, decoupled_weight_decay: bool, amsgrad: bool = False,
-                     maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
+                     exp_avg_sqs: list[torch.Tensor], scalars: torch.Tensor, *, decoupled_weight_decay: bool,
+                     l2: bool = False, amsgrad: bool = False, maximize: bool = False,
+                     max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
     """The element-wise lines of one Adam/AdamW step, in place; ``scalars`` from :func:`adam_scalars`.
 
     Only element-wise work: what :class:`CompiledStep` compiles, into one fused loop per parameter.
     (Left inside the graph, ``beta1**t`` and its square root would be recomputed by Inductor's CPU code
-    for every vector of 8 floats, in float64: slower than the eager step.)
+    for every vector of 8 floats, in float64: slower than the eager step.) Every number that a schedule may
+    change (``lr``, the betas, the decay) is a row of ``scalars``: data, not a constant of the graph.
+    AdamW's decay is always applied (a factor of exactly 1 without decay); Adam's L2 term only when ``l2``
+    (a Python bool: switching Adam's ``weight_decay`` between zero and non-zero compiles once more).
     """
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         low = p.dtype in LOW_PRECISION      # the same step in float32, rounded back once
@@ -81,15 +97,16 @@ def adam_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
         g = g.float() if low else g
         m_w = m.float() if low else m
         v_w = v.float() if low else v
-        step_size, eps_hat, decay = (scalars[k, i].to(w.dtype) for k in range(3))
+        step_size, eps_hat, decay, one_minus_beta1, beta2, one_minus_beta2, l2_coefficient = (
+            scalars[k, i].to(w.dtype) for k in range(7))
         if maximize:
             g = -g
-        if weight_decay and decoupled_weight_decay:
+        if decoupled_weight_decay:
             w = w * decay
-        elif weight_decay:
-            g = g + weight_decay * w
-        m_new = torch.lerp(m_w, g, 1 - beta1)
-        v_new = v_w * beta2 + (1 - beta2) * g * g
+        elif l2:
+            g = g + l2_coefficient * w
+        m_new = torch.lerp(m_w, g, one_minus_beta1)
+        v_new = v_w * beta2 + one_minus_beta2 * g * g
         denominator = v_new
         if amsgrad:
             vmax = torch.maximum(max_exp_avg_sqs[i].float() if low else max_exp_avg_sqs[i], v_new)
@@ -102,8 +119,8 @@ def adam_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
 
 
 def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                exp_avg_sqs: list[torch.Tensor], steps: torch.Tensor, lr: torch.Tensor, *, beta1: float,
-                beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                exp_avg_sqs: list[torch.Tensor], steps: torch.Tensor, lr: torch.Tensor, *, beta1,
+                beta2, eps, weight_decay, decoupled_weight_decay: bool,
                 amsgrad: bool = False, maximize: bool = False,
                 max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
     """One Adam/AdamW step in place with the step counts and ``lr`` as tensors (capturable).
@@ -116,16 +133,18 @@ def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: as in :func:`optbook.optim.functional.adam`.
         steps: float64 tensor of shape ``(len(params),)``: each parameter's step number ``t >= 1``.
         lr: 0-d (or one-element) float64 tensor, the learning rate.
-        beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize: as in
-            :func:`optbook.optim.functional.adam` (Python numbers: constants of a compiled graph).
+        beta1, beta2, eps, weight_decay: as in :func:`optbook.optim.functional.adam`, Python floats or 0-d tensors.
+        decoupled_weight_decay, amsgrad, maximize: as in :func:`optbook.optim.functional.adam` (Python bools:
+            constants of a compiled graph).
 
     The result equals :func:`optbook.optim.functional.adam`'s to float rounding, not bitwise: a compiler may
     reassociate, and ``beta**t`` is ``torch.pow`` here, Python's ``**`` there.
     """
-    scalars = adam_scalars(steps, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    adam_elementwise(params, grads, exp_avgs, exp_avg_sqs, scalars, beta1=beta1, beta2=beta2,
-                     weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-                     amsgrad=amsgrad, maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs)
+    scalars = adam_scalars(steps, lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                           decoupled_weight_decay=decoupled_weight_decay)
+    adam_elementwise(params, grads, exp_avgs, exp_avg_sqs, scalars, decoupled_weight_decay=decoupled_weight_decay,
+                     l2=bool(float(weight_decay)) and not decoupled_weight_decay, amsgrad=amsgrad,
+                     maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs)
 
 
 class CompiledStep:
@@ -159,30 +178,30 @@ class CompiledStep:
         amsgrad = group["amsgrad"]
         beta1, beta2 = (float(b) for b in group["betas"])
         weight_decay = float(group["weight_decay"])
-        # a few float64 numbers per parameter, eagerly: the compiled graph sees them as data
+        # a few float64 numbers per parameter, eagerly: the compiled graph sees them (lr, betas, decay) as data
         scalars = adam_scalars(torch.tensor(steps, dtype=torch.float64),
                                torch.tensor(float(group["lr"]), dtype=torch.float64), beta1=beta1, beta2=beta2,
-                               eps=float(group["eps"]), weight_decay=weight_decay)
+                               eps=float(group["eps"]), weight_decay=weight_decay,
+                               decoupled_weight_decay=decoupled_weight_decay)
         if params[0].device != scalars.device:
             scalars = scalars.to(params[0].device)
-        self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars, beta1=beta1, beta2=beta2,
-                    weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad,
-                    maximize=group["maximize"], max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+        self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars,
+                    decoupled_weight_decay=decoupled_weight_decay,
+                    l2=bool(weight_decay) and not decoupled_weight_decay, amsgrad=amsgrad, maximize=group["maximize"],
+                    max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
 
 
 def _adam_members(optimizer) -> list:
-    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (chains and the
-    mixed-precision wrapper looked into); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
-    from optbook.precision import MixedPrecisionOptimizer  # imported here: precision imports optbook.optim
-
+    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (every wrapper of
+    :mod:`optbook.wrapper` looked into: a chain's members, a mixed-precision wrapper's inner optimizer; a chain's
+    other members are left eager); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
     if isinstance(optimizer, (Adam, AdamW)):
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, ChainedOptimizer,
-                                                                            MixedPrecisionOptimizer))
+        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, OptimizerWrapper))
                 for a in _adam_members(member)]
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        return _adam_members(optimizer.optimizer)
+    if isinstance(optimizer, OptimizerWrapper):
+        return [a for inner in optimizer.inner_optimizers() for a in _adam_members(inner)]
     raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, a ChainedOptimizer "
                     f"with such members, and a MixedPrecisionOptimizer around one of these; got "
                     f"{type(optimizer).__name__}")
@@ -269,7 +288,7 @@ class CompiledMuonStep:
 
 def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
     """A ``step`` for an :class:`~optbook.optim.Muon` compiled once by ``torch.compile``, not again when
-    ``lr`` changes (a schedule).
+    ``lr``, ``momentum`` or ``weight_decay`` changes (a schedule).
 
     Use it in place of ``optimizer.step`` (as :func:`compiled_step` for Adam/AdamW)::
 
@@ -282,9 +301,13 @@ def compiled_muon_step(optimizer, **compile_options) -> CompiledMuonStep:
 
     What is compiled is :func:`optbook.optim.functional.muon` itself: the momentum lerps, the stacking of equal
     shapes, each batched :func:`optbook.newton_schulz` call and the scaled update, with ``lr`` passed as
-    a 0-d float32 tensor (a Python float would be a constant of the graph at first: one recompile when it
-    first changes, and one per learning rate under CUDA graphs; see the module's docstring). What still
-    recompiles: a change of the other hyperparameters (Python
+    a 0-d float32 tensor and ``momentum`` and ``weight_decay`` as 0-d float64 tensors, as ``torch.optim``'s
+    compiled optimizers take theirs: any schedule of the three (an LR schedule, a momentum warm-up, a
+    weight-decay schedule) runs in the one graph compiled at the first step. (A Python float would be a
+    constant of the graph at first, guarded by its value: Dynamo compiles once more when it first changes,
+    with the float as an input from then on, and under CUDA graphs once per value; see the module's
+    docstring.) What still recompiles: a change of the other hyperparameters (``nesterov``, ``ns_steps``,
+    ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, ``ns_dtype``, ...: Python
     constants of the graph), of the set of parameters that have a gradient, or of their shapes and
     dtypes. Validation and state initialisation are the optimizer's own, eager, before anything is
     written. ``gram="symmetric"`` (Triton kernels) is not supported here.

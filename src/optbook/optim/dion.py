@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..polar import polar_factor
-from ._functional import LOW_PRECISION, in_float32, write_back
+from ._functional import steps_in_float32
 from .._checks import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
@@ -58,6 +58,7 @@ def dion_rank(shape, rank_fraction: float) -> int:
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
          right_factors: list[torch.Tensor], *, lr: float, momentum: float, weight_decay: float, eps: float = 1e-8,
          q_update: str = "column_norm") -> None:
@@ -70,26 +71,43 @@ def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
         lr, momentum, weight_decay, eps, q_update: as in :class:`Dion`; not re-validated here.
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with ``M`` and ``Q``).
+
+    Two guards the paper's Algorithm 1 does not spell out:
+
+    - **An all-zero buffer** ``B`` (a zero gradient on a zero buffer: an MoE expert that got no tokens, a
+      zero-initialised layer) leaves ``Q`` as it was and applies no update (only the weight decay). Without
+      the guard ``R = B^T P = 0`` and the column normalisation sets ``Q = 0``; from then on ``B Q = 0`` for
+      every ``B``, the QR returns an arbitrary ``P`` and the next updates are neither orthonormal nor
+      aligned with the gradient. The guard is microsoft/dion's ``fix_all_zero_or_nan`` (commit
+      0a059a4542e5aa74b40dcd1dce363836c7afcd48, ``dion/dion_reference.py``: ``P = 0`` and ``Q = Q_init``
+      where ``B`` is all zero, NaNs in ``P`` and ``R`` set to zero), written, as there, without a
+      data-dependent branch.
+    - **Memory layout.** The products are formed on a row-major ``B`` (a copy when the buffer is strided,
+      e.g. the transpose of a contiguous tensor) and ``P Q^T`` is added entrywise, so a parameter and its
+      strided twin get bitwise the same update (``tests/test_numerical_edges.py``).
     """
-    if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, right_factors)]
-        dion(*work, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=eps, q_update=q_update)
-        for target, result in zip((params, momentum_buffers, right_factors), (work[0], work[2], work[3])):
-            write_back(target, result)
-        return
     for p, g, M, Q in zip(params, grads, momentum_buffers, right_factors):
-        B = M.add_(g)
+        M.add_(g)
+        # the matrix products on a row-major copy: the bits do not depend on how p (and so M) is laid out
+        B = M if M.is_contiguous() else M.contiguous()
         P, _ = torch.linalg.qr(B @ Q)                     # (m, r), orthonormal columns
         R = B.T @ P                                       # (n, r)
+        # an all-zero buffer (an expert that got no tokens, a zero-initialised layer): no update, and Q is
+        # kept instead of becoming R / eps = 0, after which B Q = 0 for every B (microsoft/dion's guard)
+        nonzero = B.ne(0).any()
+        P = P.nan_to_num_().mul_(nonzero)
+        R = R.nan_to_num_()
         B.addmm_(P, R.T, alpha=-(1 - momentum))           # error feedback: M <- B - (1 - mu) P R^T
+        if B is not M:
+            M.copy_(B)
         if q_update == "polar":
-            Q.copy_(polar_factor(R))
+            new_Q = polar_factor(R)
         else:
-            Q.copy_(R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps))
+            new_Q = R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps)
+        Q.copy_(torch.where(nonzero, new_Q, Q))
         m, n = p.shape
-        p.mul_(1 - lr * weight_decay).addmm_(P, Q.T, alpha=-lr * math.sqrt(m / n))
+        # P Q^T formed on its own, then added entrywise (as the reference's X.add_(P @ Q.T)): no strided GEMM
+        p.mul_(1 - lr * weight_decay).add_(P @ Q.T, alpha=-lr * math.sqrt(m / n))
 
 
 class Dion(BookOptimizer):
@@ -152,7 +170,7 @@ class Dion(BookOptimizer):
                 r = dion_rank(p.shape, group["rank_fraction"])
                 gen = torch.Generator().manual_seed(group["seed"])
                 # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
-                state.update(momentum_buffer=torch.zeros_like(p, memory_format=torch.preserve_format),
+                state.update(momentum_buffer=torch.zeros_like(p, memory_format=torch.contiguous_format),
                              right_factor=torch.randn((p.shape[1], r), generator=gen, dtype=torch.float64).to(
                                  device=p.device, dtype=p.dtype))
         dion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],

@@ -20,6 +20,7 @@ function                  class                                  chapter
 ``normuon``               :class:`~optbook.optim.NorMuon`        18
 ``adamuon``               :class:`~optbook.optim.AdaMuon`        18
 ``dion``                  :class:`~optbook.optim.Dion`           18
+``dion2``                 :class:`~optbook.optim.Dion2`          18
 ``scion``                 :class:`~optbook.optim.Scion`          18
 ``schedule_free_adamw``   :class:`~optbook.optim.ScheduleFreeAdamW`  18
 ========================  =====================================  =========
@@ -29,6 +30,7 @@ from .adafactor import adafactor
 from .adam import adam
 from .adamuon import adamuon
 from .dion import dion
+from .dion2 import dion2
 from .lion import lion
 from .muon import muon
 from .normuon import normuon
@@ -38,5 +40,5 @@ from .sgd import sgd
 from .shampoo import shampoo
 from .soap import soap
 
-__all__ = ["adafactor", "adam", "adamuon", "dion", "lion", "muon", "normuon", "schedule_free_adamw", "scion", "sgd",
+__all__ = ["adafactor", "adam", "adamuon", "dion", "dion2", "lion", "muon", "normuon", "schedule_free_adamw", "scion", "sgd",
            "shampoo", "soap"]

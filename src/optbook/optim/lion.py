@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._sharded import local
+from .._sharded import local
 from .._checks import check_betas, check_lr, check_weight_decay
 from .optimizer import BookOptimizer
 

@@ -38,6 +38,37 @@ __all__ = ["Muon", "SCALE_MODES", "TURBO_SCHEDULE", "muon", "muon_scale", "split
 SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm", "none")
 #: The dtypes Newton–Schulz may iterate in.
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: How a param group stores ``ns_dtype``: the dtype's name, a string, which ``torch.distributed.checkpoint``'s
+#: ``get_optimizer_state_dict`` can flatten and save (it refuses a ``torch.dtype`` value in a group).
+NS_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                  torch.float64: "float64"}
+
+
+def ns_dtype_name(value) -> str:
+    """The name under which a param group stores ``ns_dtype``, from a ``torch.dtype`` or its name.
+
+    Raises:
+        TypeError: neither one of :data:`NS_DTYPES` nor one of their names (``"bfloat16"``, ``"float16"``,
+            ``"float32"``, ``"float64"``).
+    """
+    if isinstance(value, torch.dtype) and value in NS_DTYPE_NAMES:
+        return NS_DTYPE_NAMES[value]
+    if isinstance(value, str) and value in NS_DTYPE_NAMES.values():
+        return value
+    raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul supports) or its "
+                    f"name ({', '.join(repr(n) for n in NS_DTYPE_NAMES.values())}), got {value!r}")
+
+
+def as_ns_dtype(value) -> torch.dtype:
+    """``ns_dtype`` as a ``torch.dtype`` (from the dtype or its name; not re-validated)."""
+    return getattr(torch, value) if isinstance(value, str) else value
+
+
+def with_ns_dtype_name(param_group: dict) -> dict:
+    """``param_group`` with its ``ns_dtype`` (if any) stored as its name (:func:`ns_dtype_name`)."""
+    if "ns_dtype" in param_group:
+        return {**param_group, "ns_dtype": ns_dtype_name(param_group["ns_dtype"])}
+    return param_group
 #: How Newton–Schulz forms its symmetric products (``newton_schulz``'s ``gram``).
 GRAMS = ("plain", "symmetric")
 #: Which Newton–Schulz iteration Muon runs (``ns_algorithm``); ``"auto"``: Gram Newton–Schulz for blocks of
@@ -103,6 +134,17 @@ def split_rows(rows: int, head_split) -> list[int]:
     return sizes
 
 
+def check_scale_invariant(group: dict) -> None:
+    """``group["scale_invariant"]`` must be a bool (absent: ``True``, a group saved before the option existed).
+
+    Raises:
+        TypeError: anything but ``True`` or ``False``.
+    """
+    group.setdefault("scale_invariant", True)
+    if not isinstance(group["scale_invariant"], bool):
+        raise TypeError(f"Invalid scale_invariant: expected True or False, got {group['scale_invariant']!r}")
+
+
 def exact_rescale(D: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
     """``D`` times a power of two per matrix so that its largest absolute entry lies in ``[0.5, 1)``.
 
@@ -140,18 +182,19 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
          ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-         ns_algorithm: str = "standard", ns_precondition: str | None = None) -> None:
+         ns_algorithm: str = "standard", ns_precondition: str | None = None, scale_invariant: bool = True) -> None:
     """Apply one Muon step in place (the pure function behind :class:`Muon`).
 
     Args:
         params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
             parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
-            eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition: as in :class:`Muon`; not
-            re-validated here.
+            eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition, scale_invariant: as in
+            :class:`Muon`; not re-validated here.
 
-    ``lr`` may also be a 0-d tensor (what :func:`optbook.optim.compiled_muon_step` passes, so that a new
-    learning rate is new data for a compiled graph, not a new constant).
+    ``lr``, ``momentum`` and ``weight_decay`` may also be 0-d tensors (what
+    :func:`optbook.optim.compiled_muon_step` passes, so that a new value is new data for a compiled graph,
+    not a new constant).
 
     The updates come from :func:`orthogonalized_blocks` (same-shape blocks batched); each block's update is
     subtracted straight from its rows of the parameter (no concatenation).
@@ -162,7 +205,7 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     updates = orthogonalized_blocks(directions, ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
                                     extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
                                     head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
-                                    ns_precondition=ns_precondition)
+                                    ns_precondition=ns_precondition, scale_invariant=scale_invariant)
     for p, blocks in zip(params, updates):
         p.mul_(1 - lr * weight_decay)
         row = 0
@@ -178,8 +221,8 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
 def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, coefficients="simple",
                           scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
                           ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-                          ns_algorithm: str = "standard", ns_precondition: str | None = None
-                          ) -> list[list[torch.Tensor]]:
+                          ns_algorithm: str = "standard", ns_precondition: str | None = None,
+                          scale_invariant: bool = True) -> list[list[torch.Tensor]]:
     """Muon's update ``scale * O`` of each direction, per row block (what :func:`muon` subtracts).
 
     Args:
@@ -200,6 +243,7 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
     # the same batch as the wide (d, 4d) ones, transposed (newton_schulz works on the wide orientation
     # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
     # stacked into one batch, one held by a single block goes in as it is.
+    ns_dtype = as_ns_dtype(ns_dtype)
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
     by_shape = defaultdict(list)
     for i, bs in enumerate(blocks):
@@ -212,9 +256,10 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
         batch = wide[0].contiguous() if len(where) == 1 else torch.stack(wide)
         fresh = len(where) > 1 or batch is not wide[0]   # a copy (contiguous() of a view): ours to overwrite
         algorithm = ns_algorithm if ns_algorithm != "auto" else ("gram" if n >= GRAM_ASPECT * m else "standard")
-        X = exact_rescale(batch, overwrite=fresh)   # a new tensor or the copy: either way scratch for NS
+        # exact rescale: a new tensor or the copy, either way scratch for NS; without it NS's own eps floor acts
+        X = exact_rescale(batch, overwrite=fresh) if scale_invariant else batch
         O = newton_schulz(X, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype, gram=gram,
-                          algorithm=algorithm, precondition=ns_precondition, overwrite=True)
+                          algorithm=algorithm, precondition=ns_precondition, overwrite=scale_invariant or fresh)
         for k, (i, j, tall) in enumerate(where):
             o = O if len(where) == 1 else O[k]
             o = o.mT if tall else o
@@ -237,15 +282,33 @@ class Muon(BookOptimizer):
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr`` (Moonlight eq. 3).
         ns_steps, coefficients: the Newton–Schulz schedule (:func:`optbook.ns_schedule`).
         scale_mode, extra_scale_factor: the update scale (module docstring).
-        eps: Newton–Schulz normaliser floor ``> 0``. Muon first rescales each block by a power of two
-            (:func:`exact_rescale`), so the floor only ever acts on a zero block and the update does not
-            depend on the scale of the momentum it orthogonalises. A global gradient clip, however strong,
-            therefore leaves the update unchanged on the first step, or when every step's gradient is
-            scaled by the same factor. A clip that fires on some steps only does change later updates:
-            the momentum then adds a clipped gradient to unclipped ones, so the clipped step counts less
-            (with ``momentum=0.95``, clipping only the second gradient by 0.01 turns the second update to a
-            cosine of about 0.40 with the unclipped run's), which is what the clip is for (chapter 12).
-        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64.
+        eps: Newton–Schulz normaliser floor ``> 0``. With ``scale_invariant=True`` (default) Muon first
+            rescales each block by a power of two (:func:`exact_rescale`), so the floor only ever acts on a
+            zero block and the update does not depend on the scale of the momentum it orthogonalises. A global
+            gradient clip, however strong, therefore leaves the update unchanged on the first step, or when
+            every step's gradient is scaled by the same factor. A clip that fires on some steps only does
+            change later updates: the momentum then adds a clipped gradient to unclipped ones, so the clipped
+            step counts less (with ``momentum=0.95``, clipping only the second gradient by 0.01 turns the
+            second update to a cosine of about 0.40 with the unclipped run's), which is what the clip is for
+            (chapter 12).
+        ns_dtype: dtype of the iteration (bf16 by default): bfloat16, float16, float32 or float64, as a
+            ``torch.dtype`` or its name. Param groups store the name (``"bfloat16"``, ...;
+            :func:`ns_dtype_name`), so that ``torch.distributed.checkpoint`` can save them:
+            ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True`` refuses a
+            ``torch.dtype`` value ("Unexpected value type"). The step is the same either way.
+        scale_invariant: ``True`` (default): the exact power-of-two rescale before Newton–Schulz, so every
+            non-zero direction, however small, gets a full-size update. This includes a gradient that is only
+            rounding noise: a float64 gradient of Frobenius norm 2e-16 or 1.6e-19 gets a step of the size of a
+            real one. ``torch.optim.Muon`` (torch 2.13, ``torch/optim/_muon.py``,
+            ``_zeropower_via_newtonschulz``: ``X.div_(X.norm().clamp(min=eps))``, ``eps=1e-7``) shrinks such
+            steps instead: measured on a random 8 x 6 float64 gradient, to 4.3e-8 of a real step at norm 2e-16
+            and 3.4e-11 at 1.6e-19. We decided for scale invariance by default, because the book's global
+            gradient clip (chapter 12) relies on it: with torch's floor a clip factor of 1e-8 on a momentum of
+            norm 0.1 shrinks Muon's update 15-fold, and no absolute floor tells such a clipped gradient from
+            rounding noise. ``False``: no rescale, Newton–Schulz's own floor ``X / max(||X||_F, eps)`` acts as
+            torch's does: a direction with ``||D||_F < eps`` gets a step shrunk by about ``||D||_F / eps``
+            (and a polynomial's gain), one at or above ``eps`` bitwise the step of ``True`` (a power of two
+            changes no bit of ``D / ||D||_F``).
         head_split: per-group row split before orthogonalisation (:func:`split_rows`);
             ``muon_param_groups(model, split="head")`` sets it from the attention modules' head layouts.
         gram: how Newton–Schulz forms its symmetric products, passed to :func:`optbook.newton_schulz`:
@@ -285,12 +348,13 @@ class Muon(BookOptimizer):
                  weight_decay: float = 0.0, ns_steps: int = 5, coefficients="simple",
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
                  ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-                 ns_algorithm: str = "standard", ns_precondition: str | None = None):
+                 ns_algorithm: str = "standard", ns_precondition: str | None = None,
+                 scale_invariant: bool = True):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
-                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                        extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype_name(ns_dtype),
                         head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
-                        ns_precondition=ns_precondition)
+                        ns_precondition=ns_precondition, scale_invariant=scale_invariant)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -299,6 +363,7 @@ class Muon(BookOptimizer):
             raise TypeError("Invalid params: optimizer parameters need to be organized in ordered collections, but "
                             "the ordering of tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = with_ns_dtype_name(param_group)
         group = {**self.defaults, **param_group}
         check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
                                        "optbook.optim.muon_param_groups(model)")
@@ -319,9 +384,8 @@ class Muon(BookOptimizer):
             raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
         muon_scale((1, 1), group["scale_mode"])
         check_nesterov(group["nesterov"], momentum)
-        if group["ns_dtype"] not in NS_DTYPES:
-            raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES} (a floating dtype matmul "
-                            f"supports), got {group['ns_dtype']!r}")
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # a torch.dtype set on the group later: its name
+        check_scale_invariant(group)
         if group["gram"] not in GRAMS:
             raise ValueError(f"Invalid gram: expected one of {GRAMS}, got {group['gram']!r}")
         if group["ns_algorithm"] not in NS_ALGORITHMS:
@@ -329,7 +393,7 @@ class Muon(BookOptimizer):
         if group["ns_precondition"] not in PRECONDITIONERS:
             raise ValueError(f"Invalid ns_precondition: expected one of {PRECONDITIONERS}, got "
                              f"{group['ns_precondition']!r}")
-        if group["gram"] == "symmetric" and group["ns_dtype"] == torch.float64:
+        if group["gram"] == "symmetric" and group["ns_dtype"] == "float64":
             raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
                              "torch.float64 (the Triton kernels have no float64 path)")
         for p in group["params"]:  # head_split may have been edited since the group was added
@@ -346,7 +410,12 @@ class Muon(BookOptimizer):
         if update is muon and self.compiled_kernel is not None and params:
             update = self.compiled_kernel
             # lr as a 0-d tensor on the parameters' device: a new value is new data, not a new graph
-            group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=params[0].device)}
+            # (momentum and weight_decay likewise, float64 so that a float64 parameter loses nothing: a warm-up
+            # of the momentum or a decay schedule runs in the one graph)
+            device = params[0].device
+            group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=device),
+                     "momentum": torch.tensor(float(group["momentum"]), dtype=torch.float64, device=device),
+                     "weight_decay": torch.tensor(float(group["weight_decay"]), dtype=torch.float64, device=device)}
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -355,4 +424,5 @@ class Muon(BookOptimizer):
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
              ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],
-             ns_algorithm=group["ns_algorithm"], ns_precondition=group["ns_precondition"])
+             ns_algorithm=group["ns_algorithm"], ns_precondition=group["ns_precondition"],
+             scale_invariant=group.get("scale_invariant", True))

@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 
 from ..polar import newton_schulz, ns_schedule
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
-from .muon import NS_DTYPES, exact_rescale, muon_scale
+from .muon import (as_ns_dtype, check_scale_invariant, exact_rescale, muon_scale, ns_dtype_name,
+                   with_ns_dtype_name)
 from .optimizer import BookOptimizer
 
 __all__ = ["NorMuon", "check_orthogonalisation", "normuon", "orthogonalize"]
@@ -41,18 +42,22 @@ __all__ = ["NorMuon", "check_orthogonalisation", "normuon", "orthogonalize"]
 MATRIX_ROUTE = "route embeddings, norms, biases and other tensors to AdamW, e.g. with optbook.optim.muon_param_groups(model)"
 
 
-def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: torch.dtype) -> torch.Tensor:
+def orthogonalize(D: torch.Tensor, *, ns_steps: int, coefficients, ns_dtype: torch.dtype,
+                  scale_invariant: bool = True) -> torch.Tensor:
     """Muon's orthogonalisation of one direction: :func:`optbook.newton_schulz` of ``D`` after the exact
     power-of-two rescale (:func:`optbook.optim.muon.exact_rescale`), as :func:`optbook.optim.functional.muon` does.
 
     Args:
         D: ``(m, n)`` real floating tensor.
         ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and the dtype it runs in.
+        scale_invariant: ``False`` skips the rescale, so that Newton–Schulz's floor
+            ``D / max(||D||_F, 1e-7)`` (``torch.optim.Muon``'s ``eps``) shrinks a direction below 1e-7.
 
     Returns:
         A new ``(m, n)`` tensor, float32 for a float16/bfloat16 ``D``, else ``D``'s dtype.
     """
-    return newton_schulz(exact_rescale(D), steps=ns_steps, coefficients=coefficients, eps=1e-7, dtype=ns_dtype)
+    return newton_schulz(exact_rescale(D) if scale_invariant else D, steps=ns_steps, coefficients=coefficients,
+                         eps=1e-7, dtype=as_ns_dtype(ns_dtype))
 
 
 def check_orthogonalisation(group: dict) -> None:
@@ -68,39 +73,31 @@ def check_orthogonalisation(group: dict) -> None:
         raise ValueError(str(e).replace("Invalid steps", "Invalid ns_steps")) from None
     muon_scale((1, 1), group["scale_mode"])
     check_number("extra_scale_factor", group["extra_scale_factor"], low=0.0)
-    if group["ns_dtype"] not in NS_DTYPES:
-        raise TypeError(f"Invalid ns_dtype: expected one of {NS_DTYPES}, got {group['ns_dtype']!r}")
+    group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # stored as its name (DCP can save a string)
+    check_scale_invariant(group)
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             variance_buffers: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, beta2: float,
             weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
             ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
-            extra_scale_factor: float = 1.0) -> None:
+            extra_scale_factor: float = 1.0, scale_invariant: bool = True) -> None:
     """Apply one NorMuon step in place (the pure function behind :class:`NorMuon`).
 
     Args:
         params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per parameter.
         variance_buffers: one ``(fan_out, 1)`` tensor per parameter (the per-neuron ``v``), updated in place.
         lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
-            extra_scale_factor: as in :class:`NorMuon`; not re-validated here.
+            extra_scale_factor, scale_invariant: as in :class:`NorMuon`; not re-validated here.
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
     """
-    if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers, variance_buffers)]
-        normuon(*work, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, weight_decay=weight_decay,
-                eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                extra_scale_factor=extra_scale_factor)
-        for target, result in zip((params, momentum_buffers, variance_buffers), (work[0], work[2], work[3])):
-            write_back(target, result)
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d, v in zip(params, directions, variance_buffers):
-        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype).to(p.dtype)
+        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                          scale_invariant=scale_invariant).to(p.dtype)
         v.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
         N = O / (v.sqrt() + eps)
         N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
@@ -122,6 +119,10 @@ class NorMuon(BookOptimizer):
         eps: added to ``sqrt(v)`` and the floor of the Frobenius rescale, ``> 0``.
         ns_steps, coefficients, ns_dtype: the Newton–Schulz schedule and its dtype, as in
             :class:`~optbook.optim.Muon`.
+        scale_invariant: the exact power-of-two rescale before Newton–Schulz (default ``True``: every
+            non-zero direction gets a full-size step, rounding noise included) or ``False`` (Newton–Schulz's
+            floor ``D / max(||D||_F, 1e-7)``, as ``torch.optim.Muon``'s ``eps``, shrinks a direction below
+            1e-7); the decision and its numbers are at :class:`~optbook.optim.Muon`'s ``scale_invariant``.
         scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`.
 
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) and ``variance``
@@ -139,13 +140,17 @@ class NorMuon(BookOptimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
                  ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
-                 extra_scale_factor: float = 1.0):
+                 extra_scale_factor: float = 1.0, scale_invariant: bool = True):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
-                                      coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode,
-                                      extra_scale_factor=extra_scale_factor))
+                                      coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
+                                      scale_mode=scale_mode,
+                                      extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant))
 
     matrix_hint = MATRIX_ROUTE
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -169,4 +174,4 @@ class NorMuon(BookOptimizer):
                 nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=group["weight_decay"],
                 eps=group["eps"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                 ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
-                extra_scale_factor=group["extra_scale_factor"])
+                extra_scale_factor=group["extra_scale_factor"], scale_invariant=group.get("scale_invariant", True))

@@ -7,21 +7,29 @@ It adds these things to :class:`torch.optim.Optimizer`:
   a ``step()`` that raises leaves parameters and state untouched;
 * a gradient holding ``inf`` or ``NaN`` raises :class:`~optbook.contract.NonFiniteGradientError` naming
   the parameter, before any write (the step contract of :mod:`optbook.contract`; ``torch.optim`` writes
-  the NaN into the weights), found by one reduction per device over all the step's gradients;
+  the NaN into the weights), found by one reduction per device over all the step's gradients, on the
+  calling thread (optbook starts no thread of its own);
+* ``params`` may be ``model.named_parameters()``: the names are kept in each group's ``param_names`` and
+  in ``state_dict()``, as torch 2.13 does;
+* ``torch.optim`` arguments a class does not take (``maximize``, ``dampening``, ``fused``, ``foreach``,
+  ``differentiable``, ``capturable``) are accepted when they ask for nothing it does not do, and refused
+  naming the argument and why otherwise (:mod:`optbook.optim._torch_arguments`);
 * ``step(closure)`` re-evaluates the closure with gradients enabled, as PyTorch's optimizers do;
 * a tensor ``lr`` (one element, any shape or dtype, e.g. ``torch.tensor([0.1])``) is read as the Python
   number ``float(lr)`` at each step, so it gives bitwise the result of that float ``lr`` on every path
   (loop and foreach). The group keeps the tensor, so a scheduler may ``fill_`` it. The same holds for
   every other real-valued hyperparameter a class lists in ``float_options`` (``momentum``,
-  ``weight_decay``, ``eps``, each entry of ``betas``, ...); a tensor with more than one element, a
-  bool, complex or non-finite one is refused when the group is added, naming the argument;
+  ``weight_decay``, ``eps``, each entry of ``betas``, ...); a tensor with more than one element is refused
+  with ``ValueError`` ("Tensor lr must be 1-element", as ``torch.optim``), a bool, complex or non-finite
+  one too, when the group is added and at each step, naming the argument;
 * a parameter with zero elements (e.g. shape ``(0, 3)``) is skipped: it has nothing to update, gets no
   state, and would otherwise make Adafactor's RMS divide by zero or Muon's blocks fail to reshape;
 * a state dict saved before an option existed (e.g. ``foreach``, ``head_split``, ``amsgrad``) loads and
   steps: ``__setstate__`` fills each missing option with the constructor's default, the behaviour the
   old version had (as ``torch.optim``'s classes do, one ``setdefault`` per option);
 * ``load_state_dict`` checks the whole dict first (layout, counts, hyperparameters, each state tensor's
-  shape and dtype) and writes nothing on an error; it copies the state tensors it is given, so the
+  shape and dtype, and its values: no ``inf``/``NaN``, no negative entry in a second moment a class lists
+  in ``nonnegative_state``) and writes nothing on an error; it copies the state tensors it is given, so the
   loaded optimizer never shares them with the source (``torch.optim.Optimizer.load_state_dict`` keeps a
   same-dtype, same-device tensor as it is: stepping one optimizer then changes the other;
   pytorch/pytorch#196083).
@@ -35,15 +43,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import inspect
 import math
 
 import torch
 
 from ..contract import NonFiniteGradientError, closure_loss
-from . import _sharded
-from ._blocks import GRAIN, for_blocks, usable
+from ..wrapper import is_priming_step, record_priming, undo_priming
+from .. import _sharded
 from .._checks import check_grad, check_matrices, check_params
+from ._torch_arguments import take_torch_arguments
 
 
 def check_state_layout(param_groups: list[dict], state_dict) -> None:
@@ -185,19 +195,17 @@ def nonfinite_checked_by_caller(optimizers):
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, with one device synchronisation per device.
+    """Whether every element of every tensor is finite: one reduction, and one device synchronisation,
+    per device; no thread of its own.
 
-    A tensor's extreme values are finite exactly when every element is: a NaN propagates through a
-    maximum or minimum, ``+-inf`` is one, and a large finite value cannot overflow them. On an
-    accelerator the extremes are read with ``torch._foreach_norm(..., ord=inf)`` (one fused launch per
-    device). On the CPU that norm takes a path about 10x slower than the 2-norm, so the 2-norms are
-    computed first (the fastest pass measured there; block by block on worker threads for the large
-    contiguous tensors, ``torch._foreach_norm`` for the others): all finite means every element is (a
-    NaN or ``inf`` element makes its norm non-finite). Only when one is not -- a non-finite
-    element, or a huge finite tensor whose sum of squares overflows -- or when a tensor is float16 (whose
-    norm overflows at 65504, as scaled gradients' norms do) are the extremes read with ``torch.aminmax``
-    per tensor to decide exactly. Empty tensors are skipped. Only the ``bool`` of each
-    reduction synchronises.
+    A tensor's 2-norm is finite when every element is (a NaN or ``inf`` element makes it non-finite), so
+    ``torch._foreach_norm(tensors, 2)`` over a device's tensors, stacked (``torch.stack`` promotes them to a
+    common dtype) and tested with ``torch.isfinite``, decides the usual case with one ``bool``. Only when
+    that fails -- a non-finite element, or a huge finite tensor whose sum of squares overflows -- or when a
+    tensor is float16 (whose norm overflows at 65504, as scaled gradients' norms do) is the exact test made:
+    the largest magnitude of each tensor (``torch._foreach_norm(tensors, inf)``; a NaN propagates through
+    it, ``inf`` is one, and a finite maximum cannot overflow). The 2-norm goes first because on the CPU the inf-norm takes a path about
+    10x slower. Empty tensors are skipped.
 
     ``DTensor`` entries (parameters sharded by FSDP2's ``fully_shard``) are checked on their local shards,
     and the verdict is then agreed over every rank of their device meshes (an ``all_reduce`` of one flag,
@@ -217,33 +225,13 @@ def _local_all_finite(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
-    for device, ts in by_device.items():
-        if device.type == "cpu":
-            no_float16 = all(t.dtype != torch.float16 for t in ts)   # a float16 norm overflows at 65504
-            if no_float16 and _cpu_norms_finite(ts):
+    for ts in by_device.values():
+        if all(t.dtype != torch.float16 for t in ts):   # a float16 2-norm overflows at 65504
+            if bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, 2))).all()):
                 continue
-            extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in ts])
-        else:
-            extremes = torch.stack(torch._foreach_norm(ts, float("inf")))
-        if not bool(torch.isfinite(extremes).all()):
+        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all()):
             return False
     return True
-
-
-def _cpu_norms_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether the 2-norm of every CPU tensor, taken block by block for the large contiguous ones, is
-    finite; computed on the worker threads of :func:`optbook.optim._blocks.for_blocks` (one wake-up of
-    the threads instead of one per tensor: measured 4.9 ms -> 2.6 ms on the README benchmark's gradients)."""
-    large, rest = [], []
-    for t in tensors:
-        (large if t.numel() >= GRAIN and usable([t]) else rest).append(t)
-    norms: list[torch.Tensor] = []   # list.append is atomic: the workers append their blocks' norms
-
-    def together() -> None:
-        norms.extend(torch._foreach_norm(rest, 2))
-    for_blocks(lambda i, block, scratch: norms.append(torch.linalg.vector_norm(block)), [[t] for t in large],
-               extra=[(together, sum(t.numel() for t in rest))] if rest else ())
-    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 class BookOptimizer(torch.optim.Optimizer):
@@ -260,19 +248,42 @@ class BookOptimizer(torch.optim.Optimizer):
     #: Set by optimizers defined for 2-D matrices only (Shampoo, SOAP): the hint of the error for other shapes.
     matrix_hint: str | None = None
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Every subclass's constructor takes the ``torch.optim`` arguments it lacks (``maximize``,
+        ``dampening``, ``fused``, ``foreach``, ``differentiable``, ``capturable``): dropped when they ask for
+        nothing it does not do, refused naming the argument and why otherwise
+        (:mod:`optbook.optim._torch_arguments`)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_takes_torch_arguments", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            init(self, *args, **take_torch_arguments(cls, kw))
+        __init__._takes_torch_arguments = True
+        cls.__init__ = __init__
+
     def add_param_group(self, param_group: dict) -> None:
+        """Add a group as ``torch.optim.Optimizer.add_param_group`` does, after the checks of this class.
+
+        ``params`` may hold ``(name, tensor)`` pairs (``model.named_parameters()``), as in torch 2.13: the
+        names go to the group's ``param_names`` list (and so into :meth:`state_dict`), every entry named or
+        none (``ValueError`` from torch otherwise).
+        """
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
         elif not isinstance(params, set):  # torch.optim rejects sets with its own message
             params = list(params)
-            check_params(params)
+            check_params([p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params])
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params] if not isinstance(params, set) else params
         if self.matrix_hint is not None and not isinstance(params, set):
-            check_matrices(params, type(self).__name__, self.matrix_hint)
+            check_matrices(tensors, type(self).__name__, self.matrix_hint)
         if not (self.elementwise or self.gathers_whole_matrices) and not isinstance(params, set):
-            _sharded.refuse_sharded(params, type(self).__name__, "updates each tensor as a whole (its update "
+            _sharded.refuse_sharded(tensors, type(self).__name__, "updates each tensor as a whole (its update "
                                     "of an element depends on other elements of the matrix)")
-        self._check_hyperparameters({**self.defaults, **param_group})
+        self._check_group({**self.defaults, **param_group, "params": tensors})
         super().add_param_group({**param_group, "params": params})
 
     def __setstate__(self, state: dict) -> None:
@@ -308,17 +319,19 @@ class BookOptimizer(torch.optim.Optimizer):
         Checked: the layout (a dict with ``state`` and ``param_groups``), the number of groups and of
         parameters in each, every parameter index once, every ``state`` key one of them, each group's
         hyperparameters (as ``add_param_group`` checks them), and each state tensor's shape and dtype
-        against what this optimizer keeps for that parameter (:meth:`_expected_state`).
+        against what this optimizer keeps for that parameter (:meth:`_expected_state`), and their values:
+        no ``inf``/``NaN``, no negative entry where the class keeps a second moment (:attr:`nonnegative_state`).
 
         Raises:
             ValueError: naming the group, the parameter index and the key that do not fit.
             TypeError: a part of the dict has the wrong type.
         """
         check_state_layout(self.param_groups, state_dict)
+        loaded: list[tuple[str, str, torch.Tensor]] = []
         for gi, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
             try:
-                self._check_hyperparameters(merged)
+                self._check_group(merged)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"Invalid state_dict: param_groups[{gi}]: {e}") from e
             for pi, (index, p) in enumerate(zip(saved["params"], group["params"])):
@@ -349,6 +362,34 @@ class BookOptimizer(torch.optim.Optimizer):
                     if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
                         raise ValueError(f"Invalid state_dict: {where} has shape {tuple(value.shape)} and dtype "
                                          f"{value.dtype}; this optimizer keeps shape {tuple(shape)}, dtype {dtype}")
+                    loaded.append((where, key, value))
+        self._check_state_values(loaded)
+
+    #: The state keys that hold a quantity ``>= 0`` by construction (a second moment: Adam's ``exp_avg_sq``,
+    #: AMSGrad's maximum, Adafactor's factors); :meth:`check_state_dict` refuses a negative entry there (the
+    #: step would take its square root: NaN). Each class lists its own.
+    nonnegative_state: tuple[str, ...] = ()
+
+    def _check_state_values(self, loaded: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Refuse loaded state tensors holding ``inf``/``NaN``, or a negative entry under a key of
+        :attr:`nonnegative_state`; ``loaded``: ``(where, key, tensor)`` triples, already of the right shape
+        and dtype. One reduction per device decides the usual case (:func:`all_finite`, on this rank's
+        shards: no collective); only a failure is located tensor by tensor.
+
+        Raises:
+            ValueError: naming the state entry (parameter index and key) and what it holds.
+        """
+        floating = [(where, key, _sharded.local([v])[0]) for where, key, v in loaded
+                    if v.is_floating_point() or v.is_complex()]
+        if floating and not _local_all_finite([v for _, _, v in floating]):
+            for where, _, v in floating:
+                if v.numel() and not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"Invalid state_dict: {where} holds {'NaN' if bool(v.isnan().any()) else 'inf'}"
+                                     "; the next step would write it into the weights. Nothing was loaded")
+        for where, key, v in floating:
+            if key in self.nonnegative_state and v.numel() and bool((v < 0).any()):
+                raise ValueError(f"Invalid state_dict: {where} has a negative entry ({float(v.min()):.3g}); it is a "
+                                 "second moment (>= 0), so the state is corrupt. Nothing was loaded")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict`` (from :meth:`state_dict`) into this optimizer, all or nothing.
@@ -404,6 +445,19 @@ class BookOptimizer(torch.optim.Optimizer):
                 floats[key] = type(value)(float(x) if isinstance(x, torch.Tensor) else x for x in value)
         return {**group, **floats} if floats else group
 
+    def _check_group(self, group: dict) -> None:
+        """Check one group's options: every tensor among :attr:`float_options` has one element (``ValueError``
+        naming it, with ``torch.optim``'s words "Tensor lr must be 1-element"), then the class's own checks
+        (:meth:`_check_hyperparameters`)."""
+        for key in self.float_options:
+            value = group.get(key)
+            entries = [(key, value)] if isinstance(value, torch.Tensor) else \
+                [(f"{key}[{i}]", x) for i, x in enumerate(value)] if isinstance(value, (tuple, list)) else []
+            for name, x in entries:
+                if isinstance(x, torch.Tensor) and x.numel() != 1:
+                    raise ValueError(f"Invalid {name}: Tensor {name} must be 1-element, got shape {tuple(x.shape)}")
+        self._check_hyperparameters(group)
+
     def _check_hyperparameters(self, group: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -430,12 +484,14 @@ class BookOptimizer(torch.optim.Optimizer):
         """
         checked, by_group = [], []
         for gi, group in enumerate(self.param_groups):
-            self._check_hyperparameters(group)
+            self._check_group(group)
             named = []
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
+                if "param_names" in group:   # given as model.named_parameters(): the name too
+                    where += f" ({group['param_names'][pi]!r})"
                 check_grad(p, where)
                 if p.numel():
                     named.append((where, p))
@@ -466,6 +522,12 @@ class BookOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
 
+        DCP's priming step (``torch.distributed.checkpoint.state_dict`` creating missing state by a step with
+        zero gradients and lr 0) is recognised and its state dropped at the next step unless something loaded
+        over it (:func:`is_priming_step`, :func:`undo_priming`), so reading a checkpoint before the first step
+        does not change training. A wrapper that has validated this step itself (:mod:`optbook.wrapper`)
+        steps its inner optimizer without a second validation.
+
         Raises:
             NonFiniteGradientError: a gradient holds ``inf`` or ``NaN`` (a ``ValueError``; the step
                 contract, :mod:`optbook.contract`); nothing has been modified.
@@ -473,12 +535,17 @@ class BookOptimizer(torch.optim.Optimizer):
                 docstring); nothing has been modified when this happens.
         """
         loss = closure_loss(closure)
-        self._validate()
+        undo_priming(self)
+        priming = is_priming_step(self)
+        if not getattr(self, "_validated_by_caller", False):   # a wrapper has validated this step once
+            self._validate()
         for group in self.param_groups:
             group = self._read_floats(group)
             if any(p.numel() == 0 for p in group["params"]):
                 group = {**group, "params": [p for p in group["params"] if p.numel()]}
             self._step_group(group)
+        if priming:
+            record_priming(self)
         return loss
 
 
@@ -493,4 +560,4 @@ def check_hyperparameters(optimizer: BookOptimizer, group: dict) -> None:
     Raises:
         TypeError, ValueError: an option is invalid (named, as the optimizer's constructor names it).
     """
-    optimizer._check_hyperparameters(group)
+    optimizer._check_group(group)

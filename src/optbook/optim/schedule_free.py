@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ._functional import LOW_PRECISION, in_float32, write_back
-from ._sharded import local
+from ._functional import in_float32, steps_in_float32, write_back
+from .._sharded import local
 from .._checks import (
     check_betas,
     check_bool,
@@ -60,6 +60,7 @@ def schedule_free_weight(t: int, lr: float, *, warmup_steps: int, r: float, weig
 
 
 @torch.no_grad()
+@steps_in_float32(4)
 def schedule_free_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], zs: list[torch.Tensor],
                         exp_avg_sqs: list[torch.Tensor], steps: list[int], lrs: list[float], ckps: list[float], *,
                         beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
@@ -75,14 +76,6 @@ def schedule_free_adamw(params: list[torch.Tensor], grads: list[torch.Tensor], z
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with ``z`` and ``v``).
     """
-    if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, zs, exp_avg_sqs)]
-        schedule_free_adamw(*work, steps, lrs, ckps, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        for target, result in zip((params, zs, exp_avg_sqs), (work[0], work[2], work[3])):
-            write_back(target, result)
-        return
     for y, g, z, v, t, lr, c in zip(params, grads, zs, exp_avg_sqs, steps, lrs, ckps):
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         u = g / (v / (1 - beta2 ** t)).sqrt_().add_(eps)

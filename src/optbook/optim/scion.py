@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from ._functional import LOW_PRECISION, in_float32, momentum_directions, write_back
+from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
-from .muon import muon_scale
+from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
@@ -76,6 +76,7 @@ def lmo_direction(D: torch.Tensor, norm: str, *, ns_steps: int = 5, coefficients
 
 
 @torch.no_grad()
+@steps_in_float32(3)
 def scion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *,
           lr: float, momentum: float, nesterov: bool, weight_decay: float, norm: str, radius: float = 1.0,
           ns_steps: int = 5, coefficients="simple", ns_dtype: torch.dtype = torch.bfloat16,
@@ -90,15 +91,6 @@ def scion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
     """
-    if not params:
-        return
-    if any(p.dtype in LOW_PRECISION for p in params):
-        work = [in_float32(x) for x in (params, grads, momentum_buffers)]
-        scion(*work, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, norm=norm,
-              radius=radius, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype, scale_mode=scale_mode)
-        for target, result in zip((params, momentum_buffers), (work[0], work[2])):
-            write_back(target, result)
-        return
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     for p, d in zip(params, directions):
         u = lmo_direction(d, norm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
@@ -143,12 +135,13 @@ class Scion(BookOptimizer):
                  coefficients="simple", ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "unit_rms_norm"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       norm=norm, radius=radius, ns_steps=ns_steps, coefficients=coefficients,
-                                      ns_dtype=ns_dtype, scale_mode=scale_mode))
+                                      ns_dtype=ns_dtype_name(ns_dtype), scale_mode=scale_mode))
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else params if isinstance(params, set) else list(params)
-        super().add_param_group({**param_group, "params": params})
+        # ns_dtype stored as its name (torch.distributed.checkpoint can save a string, not a torch.dtype)
+        super().add_param_group({**with_ns_dtype_name(param_group), "params": params})
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -158,6 +151,7 @@ class Scion(BookOptimizer):
         if group["norm"] not in NORMS:
             raise ValueError(f"Invalid norm: expected one of {NORMS}, got {group['norm']!r}")
         check_orthogonalisation({**group, "extra_scale_factor": 1.0})
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])   # a torch.dtype set later: stored as its name
         if group["norm"] == "spectral":
             for i, p in enumerate(group["params"]):
                 if isinstance(p, torch.Tensor) and p.ndim != 2:

@@ -8,7 +8,7 @@ that every rank raises (or none does) and the replicas never diverge. An optimiz
 matrix (Muon, Shampoo, SOAP, Adafactor's factored statistics, ...) would compute something else on a shard
 and refuses it (:func:`refuse_sharded`).
 
-Private to :mod:`optbook.optim`; the names here are its internal interface.
+Private to the package: the optimizers, the wrappers, clipping and FSDP2Muon import it from this ground floor.
 """
 
 from __future__ import annotations
