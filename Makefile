@@ -150,7 +150,7 @@ bench: setup
 
 # Chapter 19's full table (tools/capstone.py): AdamW, Muon, NorMuon and Dion on real text, 10 seeds each at
 # learning rates tuned on two other seeds, plus max attention logits with and without QK-clip; writes
-# records/capstone.json, which book/19_capstone.ipynb reads. CUDA when present; minutes on a 2-core CPU.
+# records/capstone.json, which book/19_capstone.ipynb reads. CUDA when present; about 5 minutes on 2 CPU cores.
 capstone: setup
 	$(RUN) $(BIN)/python tools/capstone.py
 

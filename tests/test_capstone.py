@@ -64,7 +64,8 @@ def test_max_logit_run_clip_bounds_the_next_maximum(split):
 
 
 def test_step_seconds_times_every_optimizer(split):
-    cost = capstone.step_seconds({"AdamW": 1e-3, "Muon": 1e-2}, TINY, split, rounds=2, steps_per_round=1, warmup=1)
+    cost = capstone.step_seconds({"AdamW": 1e-3, "Muon": 1e-2}, TINY, split, rounds=2, steps_per_round=1,
+                                 warmup=1)
     assert set(cost) == {"AdamW", "Muon"} and all(0 < v < 10 for v in cost.values())
     with pytest.raises(TypeError, match="Invalid rounds"):
         capstone.step_seconds({"AdamW": 1e-3}, TINY, split, rounds=1.0)
@@ -74,7 +75,8 @@ def test_tool_merge_recomputes_the_comparison(tmp_path):
     import importlib.util
     import json
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("capstone_tool", Path(__file__).parents[1] / "tools" / "capstone.py")
+    path = Path(__file__).parents[1] / "tools" / "capstone.py"
+    spec = importlib.util.spec_from_file_location("capstone_tool", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     base = {"setup": {"target": 2.25}, "quick": False, "total_seconds": 1.0}
@@ -86,8 +88,8 @@ def test_tool_merge_recomputes_the_comparison(tmp_path):
         parts.append(tmp_path / f"{i}.json")
         parts[-1].write_text(json.dumps(part))
     extra = tmp_path / "extra.json"
-    extra.write_text(json.dumps(base | {"max_logit": {}, "step_seconds": {"AdamW": 1.0, "Muon": 3.0, "NorMuon": 1.0,
-                                                                          "Dion": 1.0}}))
+    cost = {"AdamW": 1.0, "Muon": 3.0, "NorMuon": 1.0, "Dion": 1.0}
+    extra.write_text(json.dumps(base | {"max_logit": {}, "step_seconds": cost}))
     with pytest.raises(ValueError, match="nothing for"):
         tool.merge(parts)
     result = tool.merge(parts + [extra])

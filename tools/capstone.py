@@ -12,9 +12,10 @@ rates and :func:`optbook.capstone.compare` applies chapter 18b's rule (one-sided
 Bonferroni over the three comparisons) to steps and to seconds. Seconds to the target are steps times each
 optimizer's median cost of a step, measured with the optimizers taking turns in one process
 (:func:`optbook.capstone.step_seconds`); the seconds each run measured itself are kept as
-``seconds_measured`` (they depend on whatever else the machine ran at the time). Then the largest attention logit over
-training with Muon at a high learning rate, with and without QK-clip. Runs on CUDA when a GPU is visible
-(``--device`` overrides), else on the CPU with two threads. About 10-15 minutes on an idle 2-core CPU.
+``seconds_measured`` (they depend on whatever else the machine ran at the time). Then the largest
+attention logit over training with Muon at a high learning rate, with and without QK-clip. Runs on
+CUDA when a GPU is visible (``--device`` overrides), else on the CPU with two threads: about 5 minutes
+on a 2-core CPU (5,850 training steps).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def summarise(result: dict) -> dict:
                                     for n, row in rows.items()}
     result["rule"] = ("one-sided Mann-Whitney U against AdamW, level 0.01 Bonferroni-corrected over "
                       f"{len(capstone.OPTIMIZERS) - 1} comparisons")
-    result["lr_at_grid_edge"] = [n for n in capstone.OPTIMIZERS if result["lr"][n] in (min(result["grid"][n]),
-                                                                                       max(result["grid"][n]))]
+    edges = {n: (min(result["grid"][n]), max(result["grid"][n])) for n in capstone.OPTIMIZERS}
+    result["lr_at_grid_edge"] = [n for n in capstone.OPTIMIZERS if result["lr"][n] in edges[n]]
     return result
 
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--logits-only", action="store_true", help="only the max-logit runs")
     ap.add_argument("--step-cost-only", action="store_true", help="only the per-step cost, with the rates "
                     "given as --lrs NAME=LR,...")
-    ap.add_argument("--lrs", default="", help="learning rates for --step-cost-only, e.g. AdamW=3e-3,Muon=3e-2")
+    ap.add_argument("--lrs", default="", help="rates for --step-cost-only, e.g. AdamW=3e-3,Muon=3e-2")
     ap.add_argument("--merge", type=Path, nargs="+", help="combine partial results into --out")
     args = ap.parse_args(argv)
     out = args.out if args.out is not None or args.quick else ROOT / "records" / "capstone.json"
@@ -129,18 +130,21 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     setup = capstone.Setup()
-    grid, tune_seeds, table_seeds, logit_steps, logit_seeds = GRID, TUNE_SEEDS, TABLE_SEEDS, LOGIT_STEPS, LOGIT_SEEDS
+    grid, tune_seeds, table_seeds = GRID, TUNE_SEEDS, TABLE_SEEDS
+    logit_steps, logit_seeds = LOGIT_STEPS, LOGIT_SEEDS
     if args.quick:
         setup = replace(setup, max_steps=30, target=2.6)
         grid = {n: g[:2] for n, g in GRID.items()}
         tune_seeds, table_seeds, logit_steps, logit_seeds = TUNE_SEEDS[:1], (0, 1), 20, (0,)
     split = text.load_corpus()
+    n_params = sum(p.numel() for p in capstone.new_model(setup, 0, split.tokenizer.vocab_size).parameters())
     start = time.perf_counter()
 
     tuning = {}
     for name in names:
         for lr in grid[name]:
-            tuning[name, lr] = [capstone.steps_to_target(name, lr, s, setup, split, device).steps for s in tune_seeds]
+            tuning[name, lr] = [capstone.steps_to_target(name, lr, s, setup, split, device).steps
+                                for s in tune_seeds]
             print(f"tune {name:<8} lr {lr:.0e}: {tuning[name, lr]}", flush=True)
     lrs = {name: min(grid[name], key=lambda lr: (sum(tuning[name, lr]), -lr)) for name in names}
     runs = {}
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     result = {
         "setup": asdict(setup), "device": str(device), "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "quick": args.quick,
-        "n_params": sum(p.numel() for p in capstone.new_model(setup, 0, split.tokenizer.vocab_size).parameters()),
+        "n_params": n_params,
         "tune_seeds": list(tune_seeds), "table_seeds": list(table_seeds),
         "grid": {n: list(grid[n]) for n in names},
         "tuning": {n: {f"{lr:g}": [finite(s) for s in tuning[n, lr]] for lr in grid[n]} for n in names},
@@ -162,17 +166,20 @@ def main(argv=None) -> int:
     }
     if args.step_cost_only:
         given = dict(kv.split("=") for kv in args.lrs.split(",") if kv)
-        result["step_seconds"] = capstone.step_seconds({n: float(given[n]) for n in capstone.OPTIMIZERS}, setup,
-                                                       split, device)
+        rates = {n: float(given[n]) for n in capstone.OPTIMIZERS}
+        result["step_seconds"] = capstone.step_seconds(rates, setup, split, device)
         print(f"seconds per step: {result['step_seconds']}", flush=True)
     elif set(names) == set(capstone.OPTIMIZERS):
         result["step_seconds"] = capstone.step_seconds(lrs, setup, split, device)
     if not args.no_logits and not args.step_cost_only:
         logits = {}
         for label, tau in (("Muon", None), ("Muon + QK-clip", LOGIT_TAU)):
-            logits[label] = [capstone.max_logit_run(LOGIT_LR, s, setup, logit_steps, tau, split) for s in logit_seeds]
-            print(f"logits {label}: final max {[round(r['max_logit'][-1], 1) for r in logits[label]]}", flush=True)
-        result["max_logit"] = {"lr": LOGIT_LR, "tau": LOGIT_TAU, "steps": logit_steps, "seeds": list(logit_seeds),
+            logits[label] = [capstone.max_logit_run(LOGIT_LR, s, setup, logit_steps, tau, split)
+                             for s in logit_seeds]
+            finals = [round(r["max_logit"][-1], 1) for r in logits[label]]
+            print(f"logits {label}: final max {finals}", flush=True)
+        result["max_logit"] = {"lr": LOGIT_LR, "tau": LOGIT_TAU, "steps": logit_steps,
+                               "seeds": list(logit_seeds),
                                "runs": {k: [{"max_logit": r["max_logit"], "loss": r["loss"]} for r in v]
                                         for k, v in logits.items()}}
     result["total_seconds"] = round(time.perf_counter() - start, 1)

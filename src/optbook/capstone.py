@@ -99,9 +99,9 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim
     if name == "AdamW":
         return adamw(model.parameters())
     r = muon_param_groups(model)
-    f32 = torch.float32
-    matrix = {"Muon": lambda g: Muon(g, lr=lr, scale_mode="spectral", extra_scale_factor=0.2, ns_dtype=f32),
-              "NorMuon": lambda g: NorMuon(g, lr=lr, scale_mode="spectral", extra_scale_factor=0.2, ns_dtype=f32),
+    rms = dict(scale_mode="spectral", extra_scale_factor=0.2, ns_dtype=torch.float32)  # RMS-matched, fp32 NS
+    matrix = {"Muon": lambda g: Muon(g, lr=lr, **rms),
+              "NorMuon": lambda g: NorMuon(g, lr=lr, **rms),
               "Dion": lambda g: Dion(g, lr=lr, rank_fraction=0.25)}[name]
     return ChainedOptimizer([matrix(r.muon), adamw(r.adamw)])
 
@@ -174,8 +174,9 @@ def step_seconds(lrs: dict[str, float], setup: Setup, split: text.TextSplit | No
     for name, lr in lrs.items():
         model = new_model(setup, 0, split.tokenizer.vocab_size, device)
         state[name] = (model, build_optimizer(name, model, lr))
-    batches = [tuple(t.to(device) for t in text.sample_batch(split.train, setup.batch_size, setup.seq_len, gen))
+    batches = [text.sample_batch(split.train, setup.batch_size, setup.seq_len, gen)
                for _ in range(steps_per_round)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
 
     def steps(name, n):
         model, opt = state[name]

@@ -110,7 +110,8 @@ def load_corpus(val_fraction: float = 0.1) -> TextSplit:
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of ``tokens`` ``(n,)``: inputs ``x`` and next-token targets ``y``, int64 ``(batch_size, seq_len)``.
+    """Random windows of ``tokens`` ``(n,)``: inputs ``x`` and next-token targets ``y``, both int64
+    ``(batch_size, seq_len)``.
 
     The window starts are drawn uniformly from ``[0, n - seq_len - 1]`` with ``generator`` (a CPU generator).
 
