@@ -24,8 +24,9 @@ __all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed"
            "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
-_LAZY_SUBMODULES = ("bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
-                    "plotting", "runtime", "schedules", "testing", "training")
+_LAZY_SUBMODULES = ("bench", "capstone", "clipping", "contract", "data", "diagnostics", "distributed", "kernels",
+                    "loss_scaling", "masters", "memory", "models", "offload", "plotting", "runtime", "schedules",
+                    "testing", "text", "training", "wrapper")
 
 
 def __getattr__(name: str):
