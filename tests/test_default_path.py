@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from optbook.optim import SGD, Adam, AdamW
 from optbook.optim.optimizer import all_finite
+from helpers import scaled_timeout
 from test_every_optimizer import FACTORIES
 
 # large enough that every ATen CPU kernel on it is an OpenMP parallel region (>= 32768 elements)
@@ -22,7 +23,7 @@ BIG = (256, 256)
 
 def run_python(code: str) -> str:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=scaled_timeout(300))
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -8,6 +8,7 @@ ZeRO-1's own tests cover DistributedOptimizer), or refuses them with an error na
 """
 
 import pytest
+from helpers import scaled_timeout
 from ownership_ranks import (
     STEPS,
     chain_bfloat16,
@@ -22,7 +23,7 @@ from optbook.distributed import launch
 
 @pytest.fixture(scope="module")
 def layerwise():
-    return launch(layerwise_bfloat16, 3, timeout=180.0)
+    return launch(layerwise_bfloat16, 3, timeout=scaled_timeout(180.0))
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -49,14 +50,14 @@ def test_layerwise_muon_refuses_float16_naming_the_parameter(layerwise):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_chain_on_bfloat16_equals_mixed_precision_chained_optimizer(world_size):
-    for rep in launch(chain_bfloat16, world_size, timeout=180.0):
+    for rep in launch(chain_bfloat16, world_size, timeout=scaled_timeout(180.0)):
         assert rep["equal"], rep
         assert rep["changed"] == rep["reference_changed"] > 300
 
 
 @pytest.fixture(scope="module")
 def composition():
-    return launch(chain_composition, 2, timeout=180.0)
+    return launch(chain_composition, 2, timeout=scaled_timeout(180.0))
 
 
 def test_distributed_chain_leaves_its_members_attributes_alone(composition):
@@ -83,7 +84,7 @@ def test_distributed_chain_refuses_fsdp2_muon_naming_the_recipe_that_works(compo
 
 @pytest.fixture(scope="module")
 def refusals():
-    return launch(low_precision_refusals, 2, timeout=180.0)
+    return launch(low_precision_refusals, 2, timeout=scaled_timeout(180.0))
 
 
 def test_fsdp2_muon_refuses_bfloat16_shards_naming_the_parameter(refusals):
@@ -102,7 +103,7 @@ def test_distributed_muon_refuses_bfloat16_naming_the_parameter(refusals):
 
 def test_zero1_forwards_eval_and_train_of_an_inner_schedule_free():
     # before: DistributedOptimizer had no eval()/train(): evaluation ran at the training point y
-    for rep in launch(zero1_schedule_free, 2, timeout=180.0):
+    for rep in launch(zero1_schedule_free, 2, timeout=scaled_timeout(180.0)):
         for dtype, r in rep.items():
             assert r["eval_equal"] and r["train_equal"], (dtype, r)
             assert r["refused_in_eval"] is not None and "train()" in r["refused_in_eval"]

@@ -64,10 +64,11 @@ def test_model_seed_goes_through_the_runtime_offset(monkeypatch):
     assert torch.equal(state, torch.random.get_rng_state())  # the global generator is left alone
 
 
-@pytest.mark.parametrize("kwargs, name", [({"layers": 1}, "layers"), ({"width": 0}, "width"),
-                                          ({"batch": 2.0}, "batch"), ({"repeats": True}, "repeats"),
-                                          ({"seed": -1}, "seed")])
-def test_bad_arguments_raise_naming_them_before_any_collective(kwargs, name):
-    # no process group exists in this process: the check must come first
-    with pytest.raises(ValueError, match=f"Invalid {name}"):
+@pytest.mark.parametrize("kwargs, name, error", [({"layers": 1}, "layers", ValueError), ({"width": 0}, "width", ValueError),
+                                                 ({"batch": 2.0}, "batch", TypeError),
+                                                 ({"repeats": True}, "repeats", TypeError),
+                                                 ({"seed": -1}, "seed", ValueError)])
+def test_bad_arguments_raise_naming_them_before_any_collective(kwargs, name, error):
+    # no process group exists in this process: the check must come first; a count that is not an int is a TypeError
+    with pytest.raises(error, match=f"Invalid {name}"):
         overlap_forward(0, 2, **kwargs)

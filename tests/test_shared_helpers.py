@@ -35,10 +35,12 @@ def test_momentum_directions_case_3_lerp_nesterov():
         assert float(p) == pytest.approx(want, abs=1e-12)
 
 
-def test_use_foreach_keeps_an_explicit_choice_and_picks_cuda_only_for_none():
+def test_use_foreach_keeps_an_explicit_choice_and_picks_the_foreach_path_for_none():
     cpu = [torch.zeros(2)]
     assert use_foreach(True, cpu) is True and use_foreach(False, cpu) is False
-    assert use_foreach(None, cpu) is False and use_foreach(None, []) is False
+    # None: the whole-tensor foreach path on the CPU too (the default CPU step); never for an empty list
+    assert use_foreach(None, cpu) is True and use_foreach(None, []) is False
+    assert use_foreach(None, [torch.zeros(2, device="meta")]) is False   # no foreach kernels there
 
 
 class _NoHeadMethod(nn.Module):
