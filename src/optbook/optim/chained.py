@@ -85,8 +85,9 @@ def _check_member(i: int, opt) -> None:
     """
     if type(opt).__name__ == "FSDP2Muon":
         raise TypeError(f"Invalid optimizers: element {i} is an FSDP2Muon, whose gradients are this rank's shards: "
-                        "the chain's one global norm and inf/NaN check would see only them; step FSDP2Muon and "
-                        "the optimizer of the other parameters side by side")
+                        "the chain's one global norm and inf/NaN check would see only them; clip every parameter "
+                        "by one norm with optbook.clipping.clip_grad_norm_(params, max_norm, group=mesh.get_group()), "
+                        "then step FSDP2Muon and the optimizer of the other parameters in turn")
     if type(opt).__module__.startswith("optbook.distributed"):
         raise TypeError(f"Invalid optimizers: element {i} is a {type(opt).__name__}, a distributed optimizer; "
                         "chain it with optbook.distributed.DistributedChain, which clips by the norm of the "
