@@ -571,7 +571,7 @@ STILL_1X = {
     "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip", "book/08b_logit_harm",
     "book/08c_qk_clip_in_practice", "book/11_mixed_precision",
     "book/13_zero1", "book/14_distributed_muon",
-    "book/15_fast_newton_schulz", "book/15b_ns_frontier", "book/16_memory_and_offload",
+    "book/15_fast_newton_schulz", "book/15b_ns_frontier",
     "book/18_after_muon", "book/18b_steps_to_target",
 }
 
