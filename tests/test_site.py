@@ -568,7 +568,7 @@ def test_reader_source():
 # figures at 2x, and become 2x when re-executed (then they can leave this list).
 STILL_1X = {
     "book/04_wider_family",
-    "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip", "book/08b_logit_harm",
+    "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip",
     "book/08c_qk_clip_in_practice", "book/11_mixed_precision",
     "book/13_zero1",
     "book/15_fast_newton_schulz", "book/15b_ns_frontier",
