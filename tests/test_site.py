@@ -569,7 +569,7 @@ def test_reader_source():
 STILL_1X = {
     "book/04_wider_family",
     "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip",
-    "book/08c_qk_clip_in_practice", "book/11_mixed_precision",
+    "book/11_mixed_precision",
     "book/13_zero1",
     "book/15_fast_newton_schulz", "book/15b_ns_frontier",
     "book/18_after_muon", "book/18b_steps_to_target",
