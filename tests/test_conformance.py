@@ -612,6 +612,82 @@ def _dion_row() -> str:
             f"in float32 both agree, max difference {_bound(f32['as_is']['max_difference'])} |")
 
 
+def _adamuon_tool():
+    spec = importlib.util.spec_from_file_location("conformance_adamuon", TOOLS / "conformance_adamuon.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _adamuon_record() -> dict:
+    import json
+    return json.loads((TOOLS / "conformance_adamuon.json").read_text())
+
+
+#: the recorded AdaMuon comparison: as given, the reference's bfloat16 Newton–Schulz, second moment, rescale
+#: and gathered update leave at most this ...
+ADAMUON_BOUND = 2e-2
+#: ... its own Newton–Schulz in float64 at most this (its ``X / (||X||_F + 1e-7)`` against our ``X / ||X||_F``)
+ADAMUON_NS_BOUND = 1e-7
+
+
+def test_adamuon_reference_record():
+    """The recorded run of ``tools/conformance_adamuon.py`` against Chongjie-Si/AdaMuon: pinned commits (the
+    current code for ``version="2025-08"``, the first commit for ``"2025-07"``); as given, a difference from
+    step 1 above float64 rounding and below ``ADAMUON_BOUND`` (bfloat16 in the reference); its Newton–Schulz
+    in float64, below ``ADAMUON_NS_BOUND`` (its normalisation's ``+ 1e-7``); its Newton–Schulz replaced by
+    ours in float64, agreement to ``DION_FLOAT64_TOL`` at every step -- the stated reasons removed, the
+    difference goes."""
+    tool, rec = _adamuon_tool(), _adamuon_record()
+    assert rec["commit"] == tool.PINNED and rec["file"] == "gpt2/models/optimizers/adamuon.py"
+    assert rec["steps"] >= 20 and len(rec["shapes"]) >= 3
+    assert {v: r["commit"] for v, r in rec["versions"].items()} == {"2025-08": tool.PINNED, "2025-07": tool.FIRST}
+    for version, row in rec["versions"].items():
+        assert row["as_given"]["first_step_above_1e-12"] == 1, version
+        assert DION_FLOAT64_TOL < row["as_given"]["max_difference"] <= ADAMUON_BOUND, version
+        assert row["reference_ns_float64"]["first_step_above_1e-12"] == 1, version
+        assert DION_FLOAT64_TOL < row["reference_ns_float64"]["max_difference"] <= ADAMUON_NS_BOUND, version
+        assert row["same_newton_schulz"]["first_step_above_1e-12"] is None, version
+        assert row["same_newton_schulz"]["max_difference"] <= DION_FLOAT64_TOL, version
+
+
+def test_adamuon_reference_live():
+    """Reruns the AdaMuon comparison against a checkout (``OPTBOOK_ADAMUON_CHECKOUT``) and checks it against
+    the record."""
+    checkout = os.environ.get("OPTBOOK_ADAMUON_CHECKOUT")
+    if not checkout:
+        pytest.skip("OPTBOOK_ADAMUON_CHECKOUT not set (a checkout of Chongjie-Si/AdaMuon at the pinned commit)")
+    live, rec = _adamuon_tool().run(checkout), _adamuon_record()
+    for version, row in rec["versions"].items():
+        for case in _adamuon_tool().CASES:
+            got, recorded = live["versions"][version][case], row[case]
+            assert got["first_step_above_1e-12"] == recorded["first_step_above_1e-12"], (version, case)
+            assert got["max_difference"] <= max(2 * recorded["max_difference"], DION_FLOAT64_TOL), (version, case)
+
+
+def _adamuon_row() -> str:
+    rec = _adamuon_record()
+    cur, first = rec["versions"]["2025-08"], rec["versions"]["2025-07"]
+    s = rec["settings"]
+    same = max(cur["same_newton_schulz"]["max_difference"], first["same_newton_schulz"]["max_difference"])
+    return (f"| `AdaMuon` | Chongjie-Si/AdaMuon `{rec['file']}` `AdaMuon` (commit {rec['commit'][:7]}, a "
+            f"checkout: not on PyPI; `tools/conformance_adamuon.py`, recorded in `tools/conformance_adamuon.json`)"
+            f"; for `version=\"2025-07\"` its first commit {first['commit'][:7]} `{first['file']}` | "
+            f"`lr={s['lr']}, momentum={s['momentum']}, nesterov={s['nesterov']}, "
+            f"weight_decay={s['weight_decay']}, eps={s['eps']}`, ours with `beta2={cur['beta2']}` (the reference's "
+            f"second moment decays with `momentum`; `beta2={first['beta2']}` for the first version) and float64 "
+            f"Newton–Schulz; the reference run on one CPU process (its CUDA buffer and all-gather replaced, its "
+            f"arithmetic untouched), shapes {', '.join(str(tuple(x)) for x in rec['shapes'])} | as given differs "
+            f"at step 1, largest difference over {rec['steps']} float64 steps "
+            f"{cur['as_given']['max_difference']:.1e} ({first['as_given']['max_difference']:.1e} for the first "
+            f"version; asserted <= {ADAMUON_BOUND:g}): the reference runs Newton–Schulz, its second moment, the "
+            f"rescale and the gathered update in bfloat16; with its own Newton–Schulz and buffer in float64, "
+            f"{cur['reference_ns_float64']['max_difference']:.1e} "
+            f"({first['reference_ns_float64']['max_difference']:.1e}; asserted <= {ADAMUON_NS_BOUND:g}): its "
+            f"normalisation `X / (‖X‖_F + 1e-7)` against ours `X / ‖X‖_F`; with its Newton–Schulz replaced by "
+            f"ours in float64 both versions agree (max difference {_bound(same)}) |")
+
+
 #: rows whose package is not in the ``conformance`` extra: when absent, the stored row is kept as recorded
 OPTIONAL = {"muon-emerging"}
 
@@ -640,6 +716,7 @@ def render(results: dict[str, str], stored: str = "") -> str:
         lines.append(f"| `{p.ours_name}` | `{p.other}` ({p.package} {version}) | {p.settings} | {result} |")
     lines.append(_dion_row())
     lines.append(_dion2_row())
+    lines.append(_adamuon_row())
     lines += ["", "Not compared:", ""] + [f"* {name}: {why}." for name, why in ABSENT]
     return "\n".join(lines) + "\n"
 
