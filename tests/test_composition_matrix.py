@@ -24,3 +24,15 @@ def test_the_rows_are_data_a_tool_can_render():
     assert rows == [{"optimizer": "SGD", "wrapper": "ChainedOptimizer", "feature": f, "outcome": "ok"}
                     for f in ("step", "clip")]
     assert render(rows).splitlines()[2] == "| SGD | ChainedOptimizer | ok | ok |"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind():
+    """The DCP cells start a one-process gloo group in this process (composition_matrix._dcp); it is destroyed
+    after the module, so that a later test in the same worker starts without one."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    yield
+    if started and dist.is_initialized():
+        dist.destroy_process_group()

@@ -83,7 +83,12 @@ def test_every_pending_notebook_exists_and_says_why():
         assert (ROOT / "book" / f"{stem}.ipynb").is_file(), stem
         assert len(reason) > 20, f"{stem}: say what is missing"
 CLAIM_CALL = r"(?:\bclaim|\bassert_claim)\("
-CLAIM_NAME = re.compile(CLAIM_CALL + r"\s*\"([^\"{}]+)\"")
+# a claim's name: one string literal, or adjacent literals Python joins ("..." "..." across lines)
+CLAIM_NAME = re.compile(CLAIM_CALL + r"\s*((?:\"[^\"{}]+\"\s*)+)")
+
+
+def claim_names(code: str) -> set[str]:
+    return {"".join(re.findall(r"\"([^\"]*)\"", m)) for m in CLAIM_NAME.findall(code)}
 
 
 def _code(path):
@@ -120,7 +125,7 @@ def test_measured_claims_sit_in_cells_that_nbval_does_not_compare(path):
 
 @pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.name)
 def test_every_measured_claim_was_swept_and_holds_in_every_run(path):
-    names = set(CLAIM_NAME.findall("\n".join(_code(path))))
+    names = claim_names("\n".join(_code(path)))
     if not any(re.search(CLAIM_CALL, s) for s in _code(path)):
         return
     data = SWEEP_DATA / f"{path.stem}.jsonl"
