@@ -913,38 +913,31 @@ def _hook_params(entry):
     return [torch.tensor([[1.0, 1.0]]) if entry.matrices_only else torch.tensor([1.0, 1.0])]
 
 
-@check()
-def test_step_post_hook(entry):
+def _one_step_hook(entry, register: str, start: int, end: int):
+    """torch's step-hook tests: the hook adds 2 at each of two steps, and nothing once removed."""
     fails = _Failures()
     for oi in _all_inputs(entry):
         with fails.sample(oi.desc):
-            data = [2]
+            data = [start]
             opt = entry.make(_hook_params(entry), **oi.kwargs)
-            handle = opt.register_step_post_hook(lambda o, a, k: data.append(data.pop() + 2))
+            handle = getattr(opt, register)(lambda o, a, k: data.append(data.pop() + 2))
             opt.step()
             opt.step()
-            assert data == [6]
+            assert data == [end]
             handle.remove()
             opt.step()
-            assert data == [6]
+            assert data == [end]
     fails.raise_if_any()
+
+
+@check()
+def test_step_post_hook(entry):
+    _one_step_hook(entry, "register_step_post_hook", 2, 6)
 
 
 @check()
 def test_step_pre_hook(entry):
-    fails = _Failures()
-    for oi in _all_inputs(entry):
-        with fails.sample(oi.desc):
-            data = [5]
-            opt = entry.make(_hook_params(entry), **oi.kwargs)
-            handle = opt.register_step_pre_hook(lambda o, a, k: data.append(data.pop() + 2))
-            opt.step()
-            opt.step()
-            assert data == [9]
-            handle.remove()
-            opt.step()
-            assert data == [9]
-    fails.raise_if_any()
+    _one_step_hook(entry, "register_step_pre_hook", 5, 9)
 
 
 @check()
