@@ -497,16 +497,18 @@ def test_differs_rows_test_their_reason():
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
 
 
-def _dion_tool():
-    spec = importlib.util.spec_from_file_location("conformance_dion", TOOLS / "conformance_dion.py")
+def _tool(name: str):
+    """``tools/conformance_<name>.py`` as a module (the scripts run against a reference checkout)."""
+    spec = importlib.util.spec_from_file_location(f"conformance_{name}", TOOLS / f"conformance_{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def _dion_record() -> dict:
+def _record(name: str) -> dict:
+    """What ``tools/conformance_<name>.py`` recorded (``tools/conformance_<name>.json``)."""
     import json
-    return json.loads((TOOLS / "conformance_dion.json").read_text())
+    return json.loads((TOOLS / f"conformance_{name}.json").read_text())
 
 
 #: the recorded Dion comparison must show: the float32-QR difference from step 1, below this bound ...
@@ -519,8 +521,8 @@ def test_dion_reference_record():
     """The recorded run of ``tools/conformance_dion.py`` (microsoft/dion is not on PyPI; CI has no checkout):
     pinned commit; as is, the two differ from step 1 by at most ``DION_BOUND`` (the reference's float32 QR and
     column normalisation on float64 matrices); with those in float64 they agree to ``DION_FLOAT64_TOL``."""
-    rec = _dion_record()
-    assert rec["commit"] == _dion_tool().PINNED and rec["file"] == "dion/dion_simple.py"
+    rec = _record("dion")
+    assert rec["commit"] == _tool("dion").PINNED and rec["file"] == "dion/dion_simple.py"
     for label in ("full rank", "rank 2"):
         row = rec["rows"][label]
         assert row["as_is"]["first_step_above_1e-12"] == 1, label
@@ -535,25 +537,13 @@ def test_dion_reference_live():
     checkout = os.environ.get("OPTBOOK_DION_CHECKOUT")
     if not checkout:
         pytest.skip("OPTBOOK_DION_CHECKOUT not set (a checkout of microsoft/dion at the pinned commit)")
-    result = _dion_tool().run(checkout)
-    rec = _dion_record()
+    result = _tool("dion").run(checkout)
+    rec = _record("dion")
     for label, row in rec["rows"].items():
         for kind, recorded in row.items():
             live = result["rows"][label][kind]
             assert live["first_step_above_1e-12"] == recorded["first_step_above_1e-12"], (label, kind)
             assert live["max_difference"] <= max(2 * recorded["max_difference"], DION_FLOAT64_TOL), (label, kind)
-
-
-def _dion2_tool():
-    spec = importlib.util.spec_from_file_location("conformance_dion2", TOOLS / "conformance_dion2.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _dion2_record() -> dict:
-    import json
-    return json.loads((TOOLS / "conformance_dion2.json").read_text())
 
 
 #: the recorded Dion2 comparison: as given, the reference's float32 scalars (lr, 1 - lr * weight_decay, the
@@ -566,8 +556,8 @@ def test_dion2_reference_record():
     commit; as given, a difference above float64 rounding and below ``DION2_BOUND`` (float32 scalar tensors in
     the reference); with scalars float32 holds exactly, agreement to ``DION_FLOAT64_TOL`` -- the stated reason
     removed, the difference goes."""
-    rec = _dion2_record()
-    assert rec["commit"] == _dion2_tool().PINNED
+    rec = _record("dion2")
+    assert rec["commit"] == _tool("dion2").PINNED
     assert DION_FLOAT64_TOL < rec["as_given"]["max_abs_diff"] <= DION2_BOUND
     assert rec["exact_scalars"]["max_abs_diff"] <= DION_FLOAT64_TOL
     assert len(rec["exact_scalars"]["cases"]) >= 5 and {c["fraction"] for c in rec["exact_scalars"]["cases"]} >= {
@@ -579,13 +569,13 @@ def test_dion2_reference_live():
     checkout = os.environ.get("OPTBOOK_DION_CHECKOUT")
     if not checkout:
         pytest.skip("OPTBOOK_DION_CHECKOUT not set (a checkout of microsoft/dion at the pinned commit)")
-    live, rec = _dion2_tool().compare(checkout), _dion2_record()
+    live, rec = _tool("dion2").compare(checkout), _record("dion2")
     assert live["exact_scalars"]["max_abs_diff"] <= DION_FLOAT64_TOL
     assert live["as_given"]["max_abs_diff"] <= max(2 * rec["as_given"]["max_abs_diff"], DION_FLOAT64_TOL)
 
 
 def _dion2_row() -> str:
-    rec = _dion2_record()
+    rec = _record("dion2")
     given, exact = rec["as_given"], rec["exact_scalars"]
     return (f"| `Dion2` | microsoft/dion `dion/dion2.py` `Dion2` (commit {rec['commit'][:7]}, a checkout: not on "
             f"PyPI; `tools/conformance_dion2.py`, recorded in `tools/conformance_dion2.json`) | `ef_decay=0.5`, "
@@ -598,7 +588,7 @@ def _dion2_row() -> str:
 
 
 def _dion_row() -> str:
-    rec = _dion_record()
+    rec = _record("dion")
     full, low, f32 = rec["rows"]["full rank"], rec["rows"]["rank 2"], rec["rows"]["full rank, float32"]
     return (f"| `Dion` | microsoft/dion `{rec['file']}` `dion_update` (commit {rec['commit'][:7]}, a checkout: "
             f"not on PyPI; `tools/conformance_dion.py`, recorded in `tools/conformance_dion.json`) | "
@@ -610,18 +600,6 @@ def _dion_row() -> str:
             f"whatever the parameter dtype; with those two in float64 the two agree "
             f"(max difference {_bound(max(full['reference_qr_in_float64']['max_difference'], low['reference_qr_in_float64']['max_difference']))}); "
             f"in float32 both agree, max difference {_bound(f32['as_is']['max_difference'])} |")
-
-
-def _adamuon_tool():
-    spec = importlib.util.spec_from_file_location("conformance_adamuon", TOOLS / "conformance_adamuon.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _adamuon_record() -> dict:
-    import json
-    return json.loads((TOOLS / "conformance_adamuon.json").read_text())
 
 
 #: the recorded AdaMuon comparison: as given, the reference's bfloat16 Newton–Schulz, second moment, rescale
@@ -638,7 +616,7 @@ def test_adamuon_reference_record():
     in float64, below ``ADAMUON_NS_BOUND`` (its normalisation's ``+ 1e-7``); its Newton–Schulz replaced by
     ours in float64, agreement to ``DION_FLOAT64_TOL`` at every step -- the stated reasons removed, the
     difference goes."""
-    tool, rec = _adamuon_tool(), _adamuon_record()
+    tool, rec = _tool("adamuon"), _record("adamuon")
     assert rec["commit"] == tool.PINNED and rec["file"] == "gpt2/models/optimizers/adamuon.py"
     assert rec["steps"] >= 20 and len(rec["shapes"]) >= 3
     assert {v: r["commit"] for v, r in rec["versions"].items()} == {"2025-08": tool.PINNED, "2025-07": tool.FIRST}
@@ -657,16 +635,16 @@ def test_adamuon_reference_live():
     checkout = os.environ.get("OPTBOOK_ADAMUON_CHECKOUT")
     if not checkout:
         pytest.skip("OPTBOOK_ADAMUON_CHECKOUT not set (a checkout of Chongjie-Si/AdaMuon at the pinned commit)")
-    live, rec = _adamuon_tool().run(checkout), _adamuon_record()
+    live, rec = _tool("adamuon").run(checkout), _record("adamuon")
     for version, row in rec["versions"].items():
-        for case in _adamuon_tool().CASES:
+        for case in _tool("adamuon").CASES:
             got, recorded = live["versions"][version][case], row[case]
             assert got["first_step_above_1e-12"] == recorded["first_step_above_1e-12"], (version, case)
             assert got["max_difference"] <= max(2 * recorded["max_difference"], DION_FLOAT64_TOL), (version, case)
 
 
 def _adamuon_row() -> str:
-    rec = _adamuon_record()
+    rec = _record("adamuon")
     cur, first = rec["versions"]["2025-08"], rec["versions"]["2025-07"]
     s = rec["settings"]
     same = max(cur["same_newton_schulz"]["max_difference"], first["same_newton_schulz"]["max_difference"])
