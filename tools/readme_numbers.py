@@ -173,6 +173,25 @@ def tests_block() -> str:
             f"counted {rec['date']} at commit {rec['commit']}, `records/tests.json`).\n")
 
 
+def test_times_block() -> str:
+    """The latest timed ``make test`` runs on fresh clones (``records/test_times.json``, written by
+    ``tools/time_tests.py``): the last run alone and the last run beside other copies."""
+    runs = json.loads((RECORDS / "test_times.json").read_text())
+    parts = []
+    for label, pick in (("alone", lambda r: r["copies"] == 1), ("side by side", lambda r: r["copies"] > 1)):
+        chosen = [r for r in runs if pick(r)]
+        if not chosen:
+            continue
+        r = chosen[-1]
+        times = " and ".join(f"{x['seconds'] / 60:.1f} min ({x['summary']})" for x in r["runs"])
+        what = "one copy" if r["copies"] == 1 else f"{r['copies']} copies started together"
+        parts.append(f"{label}, {what}: {times}; load average {r['load_average_before']} before, "
+                     f"{r['load_average_after']} after ({r['date']}, commit {r['commit']}, {r['cores']} cores, "
+                     f"{r['cpu']})")
+    return ("`make test` timed on fresh clones (`tools/time_tests.py`, `records/test_times.json`): "
+            + "; ".join(parts) + ".\n")
+
+
 def chapter_times_block() -> str:
     record = load(ROOT / "book" / "runtimes.json")
     seconds = {k: v["seconds"] for k, v in record.items()}
@@ -266,7 +285,7 @@ def citation_block() -> str:
 def generate(key: str) -> str:
     if key.startswith("bench:"):
         return bench_block(key.split(":", 1)[1])
-    makers = {"tests": tests_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
+    makers = {"tests": tests_block, "test-times": test_times_block, "chapter-times": chapter_times_block, "muon-runs": muon_runs,
               "quickstart": quickstart_block, "limits-runs": limits_runs,
               "zero1-targets": zero1_targets, "compiled-runs": compiled_runs, "adamw-runs": adamw_runs, "fsdp2-runs": fsdp2_runs, "pdf": pdf_block,
               "book-link": book_link, "install": install_block, "citation": citation_block}
