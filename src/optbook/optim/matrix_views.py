@@ -50,7 +50,7 @@ import math
 
 import torch
 
-__all__ = ["MATRIX_VIEWS", "TREATMENTS", "MatrixWork", "batch_shape", "check_matrix_view", "matrices", "matrix_shape",
+__all__ = ["MATRIX_VIEWS", "TREATMENTS", "MatrixWork", "batch_shape", "check_group_shapes", "check_matrix_view", "matrices", "matrix_shape",
            "matrix_view_of"]
 
 #: The values of a param group's ``matrix_view`` (module docstring); the first is the default.
@@ -126,6 +126,14 @@ def check_matrix_view(params, view: str, optimizer: str, hint: str) -> None:
             raise ValueError(f"Invalid matrix_view: 'stacked' steps a tensor (*E, M, N) as prod(E) matrices "
                              f"(M, N) and needs 3 or more dimensions, but parameter {i} of this group has shape "
                              f"{shape}; a 2-D tensor is one matrix (matrix_view='matrix')")
+
+
+def check_group_shapes(group: dict, optimizer: str, hint: str) -> str:
+    """:func:`check_matrix_view` of a param group's tensors (``group["params"]``, if any) under its
+    ``matrix_view``; returns the view. Raises as :func:`check_matrix_view`."""
+    view = matrix_view_of(group)
+    check_matrix_view(group.get("params", ()), view, optimizer, hint)
+    return view
 
 
 def matrices(t: torch.Tensor, view: str) -> list[torch.Tensor]:
