@@ -13,7 +13,6 @@ from torch import nn
 
 from optbook.optim import AdaMuon, AdamW, ChainedOptimizer, Dion, Dion2, Muon, NorMuon, muon_param_groups
 from optbook.optim import functional as F
-from optbook.optim.matrix_views import matrix_shape
 
 F64 = torch.float64
 #: Each class with options that make it run in float64 (Newton–Schulz included) and move every step.
@@ -78,6 +77,8 @@ def test_muons_flattened_kernel_scale_is_the_flattened_shapes_by_hand():
     # Newton-Schulz, 60 float64 steps) has every singular value 1, so every singular value of the step is
     # lr * 1.8856. Readings found elsewhere give 1 (the kernel's (kh, kw) = (3, 3)) or sqrt(32) (the first
     # two dims, (64, 2)).
+    from optbook.optim.matrix_views import matrix_shape
+
     assert matrix_shape((64, 2, 3, 3), "flatten") == (64, 18)
     lr, scale = 0.1, math.sqrt(64 / 18)
     p = torch.zeros(64, 2, 3, 3, dtype=F64, requires_grad=True)
@@ -162,7 +163,7 @@ def _twin(name, params, grads, view):
         del hp["rank_fraction"]
         Q = []
         for p in params:
-            m, n = matrix_shape(p.shape, view)
+            n = math.prod(p.shape[1:]) if view == "flatten" else p.shape[-1]
             q = torch.randn((n, 2), generator=torch.Generator().manual_seed(0), dtype=F64)
             Q.append(q.expand(*p.shape[:-2], n, 2).clone() if view == "stacked" else q)
         F.dion(params, grads, M, Q, momentum=0.95, matrix_view=view, **hp)
