@@ -125,6 +125,23 @@ def test_a_stack_steps_bitwise_as_its_matrices_given_separately(name, shape):
         assert tuple(state["right_factor"].shape) == (*E, N, 2)    # r = ceil(0.5 * min(6, 4)) = 2
 
 
+def test_muons_head_split_cuts_each_matrix_of_a_stack_as_it_cuts_a_separate_matrix():
+    # per-head Newton-Schulz inside each expert: head_split=2 cuts every (8, 4) matrix into two (4, 4) blocks
+    w = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(15), dtype=F64)
+    grads = _grads((3, 8, 4), 2, seed=16)
+    stack = w.clone().requires_grad_()
+    _run("Muon", [stack], [grads], matrix_view="stacked", head_split=2)
+    separate = [w[e].clone().requires_grad_() for e in range(3)]
+    _run("Muon", separate, [[g[e] for g in grads] for e in range(3)], head_split=2)
+    whole = [w[e].clone().requires_grad_() for e in range(3)]
+    _run("Muon", whole, [[g[e] for g in grads] for e in range(3)])
+    for e in range(3):
+        assert torch.equal(stack.detach()[e], separate[e].detach())
+        assert not torch.equal(stack.detach()[e], whole[e].detach())      # the cut matters
+    with pytest.raises(ValueError, match="Invalid head_split: 3 heads do not divide the 8 rows"):
+        Muon([torch.zeros(3, 8, 4, requires_grad=True)], matrix_view="stacked", head_split=3)
+
+
 @pytest.mark.parametrize("name", ["NorMuon", "Dion"])
 def test_a_stacks_state_dict_round_trips_and_the_run_continues_bitwise(name):
     shape = (3, 6, 4)
