@@ -91,7 +91,8 @@ def test_muons_flattened_kernel_scale_is_the_flattened_shapes_by_hand():
 
 @pytest.mark.parametrize("shape", [(8, 4, 3, 3), (64, 32, 3, 3), (192, 3, 16, 16)])
 def test_adamuons_flattened_kernel_step_has_rms_point_two_lr_by_hand(shape):
-    # AdaMuon's defaults (spectral, 0.2) rescale A to ||A||_F = sqrt(min(m, n)) and multiply by 0.2 sqrt(max(m, n)):
+    # AdaMuon's defaults (spectral, 0.2) rescale A to ||A||_F = sqrt(min(m, n)) and multiply by
+    # 0.2 sqrt(max(m, n)):
     # RMS(step) = 0.2 lr sqrt(mn) / sqrt(mn) = 0.2 lr for the flattened (m, n). timm's AdaMuon read (kh, kw)
     # and made these steps 5.7x, 45x and 24x smaller (huggingface/pytorch-image-models#2791).
     lr = 0.01
@@ -201,7 +202,8 @@ def _twin(name, params, grads, view):
     if name == "Muon":
         F.muon(params, grads, M, momentum=0.95, nesterov=True, matrix_view=view, **hp)
     elif name == "NorMuon":
-        v = [p.new_zeros(*p.shape[:-1], 1) if view == "stacked" else p.new_zeros(p.shape[0], 1) for p in params]
+        v = [p.new_zeros(*p.shape[:-1], 1) if view == "stacked" else p.new_zeros(p.shape[0], 1)
+             for p in params]
         F.normuon(params, grads, M, v, momentum=0.95, nesterov=True, beta2=0.95, eps=1e-8, matrix_view=view,
                   **hp)
     elif name == "AdaMuon":

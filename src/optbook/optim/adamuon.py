@@ -66,8 +66,8 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
 
     Args:
         params, grads, momentum_buffers, exp_avg_sqs: lists of ``(fan_out, fan_in)`` tensors, one entry per
-            parameter, or of tensors that ``matrix_view`` sees as matrices (:mod:`optbook.optim.matrix_views`);
-            the buffers (``M`` and ``v``) are updated in place.
+            parameter, or of tensors that ``matrix_view`` sees as matrices
+            (:mod:`optbook.optim.matrix_views`); the buffers (``M`` and ``v``) are updated in place.
         steps: the step number ``t >= 1`` of each parameter, after counting this step.
         lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
             extra_scale_factor, version, matrix_view: as in :class:`AdaMuon`; not re-validated here.
@@ -130,9 +130,9 @@ class AdaMuon(BookOptimizer):
     and dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D), a
-            hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 

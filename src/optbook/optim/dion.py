@@ -150,8 +150,9 @@ class Dion(BookOptimizer):
     (``(*E, n, r)`` for a stack), the parameter's dtype. A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D), a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``seed`` not an int.
     """
 
@@ -196,12 +197,12 @@ class Dion(BookOptimizer):
             if not state:
                 *batch, n, r = self._right_factor_shape(p, group)
                 gen = torch.Generator().manual_seed(group["seed"])
-                # one draw per parameter; every matrix of a stack starts from it, as a separate parameter would
+                # one draw per parameter; each matrix of a stack starts from it, as a separate parameter would
                 Q = torch.randn((n, r), generator=gen, dtype=torch.float64).expand(*batch, n, r)
                 # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
                 state.update(momentum_buffer=torch.zeros_like(p, memory_format=torch.contiguous_format),
-                             right_factor=Q.to(device=p.device, dtype=p.dtype, memory_format=torch.contiguous_format,
-                                               copy=True))
+                             right_factor=Q.to(device=p.device, dtype=p.dtype,
+                                               memory_format=torch.contiguous_format, copy=True))
         dion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
              [self.state[p]["right_factor"] for p in params], lr=group["lr"], momentum=group["momentum"],
              weight_decay=group["weight_decay"], eps=group["eps"], q_update=group["q_update"],

@@ -93,7 +93,7 @@ def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffer
             norms = torch.linalg.vector_norm(Mm, ord=1, dim=-1 if select_dim == -2 else -2)
             index = torch.sort(norms, descending=True, stable=True).indices[:k]
             S = Mm.index_select(select_dim, index)                       # a copy: (k, n) or (m, k)
-            Mm.index_copy_(select_dim, index, S * ef_decay)                # error feedback on the selected slices
+            Mm.index_copy_(select_dim, index, S * ef_decay)              # error feedback: the selected slices
             U = newton_schulz(S, ns_steps, coefficients, eps=eps, dtype=_dtype(ns_dtype)).to(p.dtype)
             pm.mul_(1 - lr * weight_decay)
             pm.index_add_(select_dim, index, U, alpha=-lr * muon_scale(pm.shape, scale_mode))
@@ -131,8 +131,9 @@ class Dion2(BookOptimizer):
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D), a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``fraction`` given as a tensor.
     """
 

@@ -50,8 +50,8 @@ import math
 
 import torch
 
-__all__ = ["MATRIX_VIEWS", "TREATMENTS", "MatrixWork", "batch_shape", "check_group_shapes", "check_matrix_view", "matrices", "matrix_shape",
-           "matrix_view_of"]
+__all__ = ["MATRIX_VIEWS", "TREATMENTS", "MatrixWork", "batch_shape", "check_group_shapes",
+           "check_matrix_view", "matrices", "matrix_shape", "matrix_view_of"]
 
 #: The values of a param group's ``matrix_view`` (module docstring); the first is the default.
 MATRIX_VIEWS = ("matrix", "flatten", "stacked")
@@ -114,18 +114,18 @@ def check_matrix_view(params, view: str, optimizer: str, hint: str) -> None:
             message = (f"{optimizer} updates 2-D matrices only, but parameter {i} of this group has shape "
                        f"{shape}; {hint}")
             if p.ndim > 2:
-                message += ("; or say how to see it as matrices with the group's matrix_view: 'flatten' (a conv "
-                            "kernel (out, in, kh, kw) as (out, in*kh*kw)) or 'stacked' (E matrices (M, N) in "
-                            "an (E, M, N) tensor)")
+                message += ("; or say how to see it as matrices with the group's matrix_view: 'flatten' "
+                            "(a conv kernel (out, in, kh, kw) as (out, in*kh*kw)) or 'stacked' (E matrices "
+                            "(M, N) in an (E, M, N) tensor)")
             raise ValueError(message)
         if view == "flatten" and p.ndim < 2:
-            raise ValueError(f"Invalid matrix_view: 'flatten' steps a tensor (out, *rest) as the matrix (out, "
-                             f"prod(rest)) and needs 2 or more dimensions, but parameter {i} of this group has "
-                             f"shape {shape}; {hint}")
+            raise ValueError(f"Invalid matrix_view: 'flatten' steps a tensor (out, *rest) as the matrix "
+                             f"(out, prod(rest)) and needs 2 or more dimensions, but parameter {i} of this "
+                             f"group has shape {shape}; {hint}")
         if view == "stacked" and p.ndim < 3:
             raise ValueError(f"Invalid matrix_view: 'stacked' steps a tensor (*E, M, N) as prod(E) matrices "
-                             f"(M, N) and needs 3 or more dimensions, but parameter {i} of this group has shape "
-                             f"{shape}; a 2-D tensor is one matrix (matrix_view='matrix')")
+                             f"(M, N) and needs 3 or more dimensions, but parameter {i} of this group has "
+                             f"shape {shape}; a 2-D tensor is one matrix (matrix_view='matrix')")
 
 
 def check_group_shapes(group: dict, optimizer: str, hint: str) -> str:

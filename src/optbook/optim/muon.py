@@ -230,7 +230,8 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
 
 
 def _subtract_blocks(p: torch.Tensor, blocks: list[torch.Tensor], lr) -> None:
-    """``p[rows of block k] -= lr * block k`` for the row blocks of one matrix, in order (no concatenation)."""
+    """``p[rows of block k] -= lr * block k``
+    for the row blocks of one matrix, in order (no concatenation)."""
     row = 0
     for o in blocks:  # each block straight into its rows of p: no concatenated copy
         rows = p.narrow(0, row, o.shape[0])
@@ -245,7 +246,8 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
                           scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
                           ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
                           ns_algorithm: str = "standard", ns_precondition: str | None = None,
-                          scale_invariant: bool = True, matrix_view: str = "matrix") -> list[list[torch.Tensor]]:
+                          scale_invariant: bool = True,
+                          matrix_view: str = "matrix") -> list[list[torch.Tensor]]:
     """Muon's update ``scale * O`` of each direction, per row block (what :func:`muon` subtracts).
 
     Args:
@@ -270,7 +272,7 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
     # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
     # stacked into one batch, one held by a single block goes in as it is.
     ns_dtype = as_ns_dtype(ns_dtype)
-    if matrix_view != "matrix":   # each direction's matrices (a contiguous copy of a channels_last one), then as before
+    if matrix_view != "matrix":   # each direction's matrices (a channels_last one's from a contiguous copy)
         read = MatrixWork(matrix_view).read
         per_direction = [read(d) for d in directions]
         flat = orthogonalized_blocks([m for ms in per_direction for m in ms], ns_steps=ns_steps,
@@ -382,8 +384,9 @@ class Muon(BookOptimizer):
     Raises:
         ValueError: a parameter whose shape ``matrix_view`` cannot step (under the default, one that is
             not 2-D: the message names its shape, points to ``muon_param_groups`` and, for 3 or more
-            dimensions, to ``matrix_view``; ``"stacked"`` on a 2-D tensor), bad hyperparameters, a ``head_split`` that does not divide the
-            rows (also when a group's ``head_split`` is edited later: checked at every step), or a
+            dimensions, to ``matrix_view``; ``"stacked"`` on a 2-D tensor), bad hyperparameters, a
+            ``head_split`` that does not divide the rows (also when a group's ``head_split`` is edited later:
+            checked at every step), or a
             non-finite gradient (raised before anything changes: skip such a step, chapter 11); an
             unknown ``gram`` or ``ns_algorithm``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
@@ -485,4 +488,5 @@ class Muon(BookOptimizer):
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
              ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],
              ns_algorithm=group["ns_algorithm"], ns_precondition=group["ns_precondition"],
-             scale_invariant=group.get("scale_invariant", True), matrix_view=group.get("matrix_view", "matrix"))
+             scale_invariant=group.get("scale_invariant", True),
+             matrix_view=group.get("matrix_view", "matrix"))

@@ -90,7 +90,8 @@ def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
             variance_buffers: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, beta2: float,
             weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
             ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
-            extra_scale_factor: float = 1.0, scale_invariant: bool = True, matrix_view: str = "matrix") -> None:
+            extra_scale_factor: float = 1.0, scale_invariant: bool = True,
+            matrix_view: str = "matrix") -> None:
     """Apply one NorMuon step in place (the pure function behind :class:`NorMuon`).
 
     Args:
@@ -149,8 +150,9 @@ class NorMuon(BookOptimizer):
     dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D), a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
@@ -189,11 +191,13 @@ class NorMuon(BookOptimizer):
         for p in params:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                self.state[p]["variance"] = p.new_zeros(variance_shape(p.shape, group.get("matrix_view", "matrix")))
+                view = group.get("matrix_view", "matrix")
+                self.state[p]["variance"] = p.new_zeros(variance_shape(p.shape, view))
         normuon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
                 [self.state[p]["variance"] for p in params], lr=group["lr"], momentum=group["momentum"],
                 nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=group["weight_decay"],
                 eps=group["eps"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                 ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
-                extra_scale_factor=group["extra_scale_factor"], scale_invariant=group.get("scale_invariant", True),
+                extra_scale_factor=group["extra_scale_factor"],
+                scale_invariant=group.get("scale_invariant", True),
                 matrix_view=group.get("matrix_view", "matrix"))

@@ -158,8 +158,8 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
     if conv not in CONV_ROUTES:
         raise ValueError(f"Invalid conv: expected one of {CONV_ROUTES}, got {conv!r}")
     if "matrix_view" in (muon_options or {}):
-        raise ValueError("Invalid muon_options: 'matrix_view' is set per group by muon_param_groups (conv='flatten' "
-                         "and stacked=...); leave it out")
+        raise ValueError("Invalid muon_options: 'matrix_view' is set per group by muon_param_groups "
+                         "(conv='flatten' and stacked=...); leave it out")
     stacked_ids = _stacked_ids(model, stacked)
     if split is not None:
         if "head_split" in (muon_options or {}):
@@ -239,11 +239,11 @@ def _stacked_ids(model: nn.Module, stacked) -> set[int]:
     ids = set()
     for i, p in enumerate(stacked):
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"Invalid stacked: entry {i} is a {type(p).__name__}, expected a parameter of the "
-                            "model (a tensor, not its name)")
+            raise TypeError(f"Invalid stacked: entry {i} is a {type(p).__name__}, expected a parameter of "
+                            "the model (a tensor, not its name)")
         if id(p) not in mine:
-            raise ValueError(f"Invalid stacked: entry {i} (shape {tuple(p.shape)}) is not a trainable parameter "
-                             f"of this {type(model).__name__}")
+            raise ValueError(f"Invalid stacked: entry {i} (shape {tuple(p.shape)}) is not a trainable "
+                             f"parameter of this {type(model).__name__}")
         if p.ndim < 3:
             raise ValueError(f"Invalid stacked: entry {i} ({mine[id(p)]}, shape {tuple(p.shape)}) has "
                              f"{p.ndim} dimensions; a stack (*E, M, N) has 3 or more (a 2-D weight is one "
