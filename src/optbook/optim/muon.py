@@ -17,6 +17,9 @@ For a 2-D parameter ``W`` of shape ``(fan_out, fan_in)`` (PyTorch layout) with g
 ``"original"``), ``"spectral"`` sqrt(max(A, B)) (with ``extra_scale_factor=0.2`` Moonlight's
 RMS matching, ``torch.optim.Muon``'s ``"match_rms_adamw"``), ``"unit_rms_norm"`` sqrt(A/B) (the
 RMS->RMS steepest-descent scale), ``"none"`` 1.
+
+A conv kernel or a stack of matrices is stepped as the matrices its group's ``matrix_view`` names
+(:mod:`optbook.optim.matrix_views`), each with the scale of its own shape.
 """
 
 from __future__ import annotations
@@ -230,8 +233,7 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
 
 
 def _subtract_blocks(p: torch.Tensor, blocks: list[torch.Tensor], lr) -> None:
-    """``p[rows of block k] -= lr * block k``
-    for the row blocks of one matrix, in order (no concatenation)."""
+    """``p[rows of block k] -= lr * block k`` for the row blocks of one matrix ``p``, in order."""
     row = 0
     for o in blocks:  # each block straight into its rows of p: no concatenated copy
         rows = p.narrow(0, row, o.shape[0])
@@ -385,9 +387,9 @@ class Muon(BookOptimizer):
         ValueError: a parameter whose shape ``matrix_view`` cannot step (under the default, one that is
             not 2-D: the message names its shape, points to ``muon_param_groups`` and, for 3 or more
             dimensions, to ``matrix_view``; ``"stacked"`` on a 2-D tensor), bad hyperparameters, a
-            ``head_split`` that does not divide the rows (also when a group's ``head_split`` is edited later:
-            checked at every step), or a
-            non-finite gradient (raised before anything changes: skip such a step, chapter 11); an
+            ``head_split`` that does not divide the rows (also when a group's ``head_split`` or
+            ``matrix_view`` is edited later: checked at every step), or a non-finite gradient (raised before
+            anything changes: skip such a step, chapter 11); an
             unknown ``gram`` or ``ns_algorithm``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """

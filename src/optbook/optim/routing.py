@@ -151,7 +151,7 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
             module describing its heads, or together with ``muon_options["head_split"]``; a head layout
             that does not match its weights (:func:`head_splits`); ``conv`` not one of :data:`CONV_ROUTES`;
             a ``stacked`` entry that is not a trainable parameter of ``model`` or has fewer than 3
-            dimensions; ``muon_options["matrix_view"]`` (set per group here).
+            dimensions, or is the output head's; ``muon_options["matrix_view"]`` (set per group here).
     """
     if split not in SPLITS:
         raise ValueError(f"Invalid split: expected one of {SPLITS}, got {split!r}")
@@ -160,7 +160,6 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
     if "matrix_view" in (muon_options or {}):
         raise ValueError("Invalid muon_options: 'matrix_view' is set per group by muon_param_groups "
                          "(conv='flatten' and stacked=...); leave it out")
-    stacked_ids = _stacked_ids(model, stacked)
     if split is not None:
         if "head_split" in (muon_options or {}):
             raise ValueError(f"Invalid muon_options: 'head_split' is set by split={split!r}; give one of "
@@ -171,12 +170,13 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
     splits = head_splits(model, split) if split is not None else {}
     head = output_head(model)
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    stacked_ids = _stacked_ids(model, stacked, head_ids)
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     muon, adamw_decay, adamw_plain, reasons = [], [], [], {}
     by_view: dict[str, list] = {"flatten": [], "stacked": []}
     for info in classify_parameters(model):
         p = info.param
-        if id(p) in stacked_ids and id(p) not in head_ids:
+        if id(p) in stacked_ids:
             by_view["stacked"].append(info)
             E, (M, N) = tuple(p.shape[:-2]), matrix_shape(p.shape, "stacked")
             count = " x ".join(map(str, E))
@@ -230,9 +230,9 @@ def muon_param_groups(model: nn.Module, *, weight_decay: float = 0.0, adamw_weig
     return MuonRouting(muon_groups, adamw_groups, reasons, treatments)
 
 
-def _stacked_ids(model: nn.Module, stacked) -> set[int]:
+def _stacked_ids(model: nn.Module, stacked, head_ids: set[int]) -> set[int]:
     """The ids of the tensors in ``stacked``, each checked to be a trainable parameter of ``model`` with 3 or
-    more dimensions (raises ``TypeError``/``ValueError`` naming ``stacked`` otherwise)."""
+    more dimensions, not the output head's (raises ``TypeError``/``ValueError`` naming ``stacked``)."""
     if isinstance(stacked, torch.Tensor):
         stacked = [stacked]
     mine = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
@@ -248,5 +248,8 @@ def _stacked_ids(model: nn.Module, stacked) -> set[int]:
             raise ValueError(f"Invalid stacked: entry {i} ({mine[id(p)]}, shape {tuple(p.shape)}) has "
                              f"{p.ndim} dimensions; a stack (*E, M, N) has 3 or more (a 2-D weight is one "
                              "matrix and goes to Muon as it is)")
+        if id(p) in head_ids:
+            raise ValueError(f"Invalid stacked: entry {i} ({mine[id(p)]}) belongs to the output head, which "
+                             "goes to AdamW")
         ids.add(id(p))
     return ids
