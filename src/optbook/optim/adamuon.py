@@ -45,6 +45,7 @@ import torch
 from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
 from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
+from .matrix_views import MatrixWork, check_group_shapes
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
@@ -60,27 +61,36 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
             exp_avg_sqs: list[torch.Tensor], steps: list[int], *, lr: float, momentum: float, nesterov: bool,
             beta2: float, weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
             ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
-            extra_scale_factor: float = 0.2, version: str = "2025-08") -> None:
+            extra_scale_factor: float = 0.2, version: str = "2025-08", matrix_view: str = "matrix") -> None:
     """Apply one AdaMuon step in place (the pure function behind :class:`AdaMuon`).
 
     Args:
         params, grads, momentum_buffers, exp_avg_sqs: lists of ``(fan_out, fan_in)`` tensors, one entry per
-            parameter; the buffers (``M`` and ``v``) are updated in place.
+            parameter, or of tensors that ``matrix_view`` sees as matrices
+            (:mod:`optbook.optim.matrix_views`); the buffers (``M`` and ``v``) are updated in place.
         steps: the step number ``t >= 1`` of each parameter, after counting this step.
         lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
-            extra_scale_factor, version: as in :class:`AdaMuon`; not re-validated here.
+            extra_scale_factor, version, matrix_view: as in :class:`AdaMuon`; not re-validated here.
 
-    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers). Each
+    matrix of a flattened or stacked tensor is stepped as a parameter of that matrix's shape would be: the
+    rescale ``sqrt(min(m, n))`` and the scale read the matrix's ``(m, n)``, so a flattened ``(out, in, kh,
+    kw)`` kernel's update has RMS ``0.2 * lr`` with the defaults, as a matrix's (the step timm's AdaMuon
+    made 5.7x to 512x too small; :mod:`optbook.optim.matrix_views`).
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+    current = version == "2025-08"
+    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
     for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
-        current = version == "2025-08"
-        O = orthogonalize(torch.sign(d) if current else d, ns_steps=ns_steps, coefficients=coefficients,
-                          ns_dtype=ns_dtype).to(p.dtype)
-        v.mul_(beta2).addcmul_(O, O, value=1 - beta2)
-        A = O.div_((v.sqrt() if current else (v / (1 - beta2 ** t)).sqrt_()).add_(eps))
-        A.mul_(math.sqrt(min(p.shape)) / (torch.linalg.vector_norm(A) + eps))
-        p.mul_(1 - lr * weight_decay).sub_(A, alpha=lr * muon_scale(p.shape, scale_mode, extra_scale_factor))
+        p.mul_(1 - lr * weight_decay)
+        for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
+            O = orthogonalize(torch.sign(dm) if current else dm, ns_steps=ns_steps, coefficients=coefficients,
+                              ns_dtype=ns_dtype).to(p.dtype)
+            vm.mul_(beta2).addcmul_(O, O, value=1 - beta2)
+            A = O.div_((vm.sqrt() if current else (vm / (1 - beta2 ** t)).sqrt_()).add_(eps))
+            A.mul_(math.sqrt(min(pm.shape)) / (torch.linalg.vector_norm(A) + eps))
+            pm.sub_(A, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
+    work.write_back()
 
 
 class AdaMuon(BookOptimizer):
@@ -89,7 +99,8 @@ class AdaMuon(BookOptimizer):
     The derivation and the update are in the module docstring (:mod:`optbook.optim.adamuon`).
 
     Args:
-        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)`` (or what ``matrix_view`` steps), or
+            param-group dicts.
         lr: learning rate ``>= 0``; with the default scale the update's RMS is ``0.2 * lr``.
         momentum: EMA coefficient of the first moment, in ``[0, 1)``.
         nesterov: look-ahead direction ``lerp(G, M, momentum)`` (the authors' default); needs ``momentum > 0``.
@@ -103,6 +114,10 @@ class AdaMuon(BookOptimizer):
             (the first version, arXiv v1); see the module docstring.
         scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`; the defaults
             (``"spectral"``, ``0.2``) are the paper's ``0.2 * sqrt(max(m, n))``.
+        matrix_view: ``"matrix"`` (default: 2-D tensors only), ``"flatten"`` (conv kernels as
+            ``(out, in*kh*kw)``) or ``"stacked"`` (``(*E, M, N)`` as ``prod(E)`` matrices), as
+            :class:`~optbook.optim.Muon`'s (:mod:`optbook.optim.matrix_views`); ``(m, n)`` above is each
+            matrix stepped.
 
     Tiny gradients: every non-zero gradient, rounding noise included, gets a full-size step (a float64
     gradient of Frobenius norm 2e-16 or 1.6e-19 moves the weights as far as one of norm 1). This is the
@@ -115,25 +130,25 @@ class AdaMuon(BookOptimizer):
     and dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
     elementwise = False
-    matrix_hint = MATRIX_ROUTE
     float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
     state_scalars = {"step": "count"}
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
                  ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "spectral",
-                 extra_scale_factor: float = 0.2, version: str = "2025-08"):
+                 extra_scale_factor: float = 0.2, version: str = "2025-08", matrix_view: str = "matrix"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
                                       coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
                                       scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
-                                      version=version))
+                                      version=version, matrix_view=matrix_view))
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
@@ -148,6 +163,7 @@ class AdaMuon(BookOptimizer):
         group.setdefault("version", "2025-07")   # a group saved before the option existed: the version it ran
         if group["version"] not in ADAMUON_VERSIONS:
             raise ValueError(f"Invalid version: expected one of {ADAMUON_VERSIONS}, got {group['version']!r}")
+        check_group_shapes(group, "AdaMuon", MATRIX_ROUTE)
 
     def _expected_state(self, p, group):
         like = (tuple(p.shape), p.dtype, True)
@@ -166,4 +182,5 @@ class AdaMuon(BookOptimizer):
                 lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                 weight_decay=group["weight_decay"], eps=group["eps"], ns_steps=group["ns_steps"],
                 coefficients=group["coefficients"], ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
-                extra_scale_factor=group["extra_scale_factor"], version=group.get("version", "2025-07"))
+                extra_scale_factor=group["extra_scale_factor"], version=group.get("version", "2025-07"),
+                matrix_view=group.get("matrix_view", "matrix"))

@@ -42,6 +42,7 @@ import torch
 from ..polar import polar_factor
 from ._functional import steps_in_float32
 from .._checks import check_eps, check_int, check_lr, check_momentum, check_number, check_weight_decay
+from .matrix_views import MatrixWork, batch_shape, check_group_shapes, matrix_shape
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
 
@@ -61,14 +62,16 @@ def dion_rank(shape, rank_fraction: float) -> int:
 @steps_in_float32(4)
 def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
          right_factors: list[torch.Tensor], *, lr: float, momentum: float, weight_decay: float, eps: float = 1e-8,
-         q_update: str = "column_norm") -> None:
+         q_update: str = "column_norm", matrix_view: str = "matrix") -> None:
     """Apply one Dion step in place (the pure function behind :class:`Dion`).
 
     Args:
-        params, grads, momentum_buffers: lists of ``(m, n)`` tensors, one entry per parameter; the buffers
-            (``M``) are updated in place.
-        right_factors: one ``(n, r)`` tensor ``Q`` per parameter, updated in place.
-        lr, momentum, weight_decay, eps, q_update: as in :class:`Dion`; not re-validated here.
+        params, grads, momentum_buffers: lists of ``(m, n)`` tensors, one entry per parameter, or of tensors
+            that ``matrix_view`` sees as matrices (:mod:`optbook.optim.matrix_views`); the buffers (``M``) are
+            updated in place.
+        right_factors: one ``(n, r)`` tensor ``Q`` per matrix (``(*E, n, r)`` for a stack ``(*E, m, n)``),
+            updated in place.
+        lr, momentum, weight_decay, eps, q_update, matrix_view: as in :class:`Dion`; not re-validated here.
 
     A float16/bfloat16 parameter is stepped in float32 and rounded back once (with ``M`` and ``Q``).
 
@@ -86,28 +89,38 @@ def dion(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
       e.g. the transpose of a contiguous tensor) and ``P Q^T`` is added entrywise, so a parameter and its
       strided twin get bitwise the same update (``tests/test_numerical_edges.py``).
     """
+    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
     for p, g, M, Q in zip(params, grads, momentum_buffers, right_factors):
-        M.add_(g)
-        # the matrix products on a row-major copy: the bits do not depend on how p (and so M) is laid out
-        B = M if M.is_contiguous() else M.contiguous()
-        P, _ = torch.linalg.qr(B @ Q)                     # (m, r), orthonormal columns
-        R = B.T @ P                                       # (n, r)
-        # an all-zero buffer (an expert that got no tokens, a zero-initialised layer): no update, and Q is
-        # kept instead of becoming R / eps = 0, after which B Q = 0 for every B (microsoft/dion's guard)
-        nonzero = B.ne(0).any()
-        P = P.nan_to_num_().mul_(nonzero)
-        R = R.nan_to_num_()
-        B.addmm_(P, R.T, alpha=-(1 - momentum))           # error feedback: M <- B - (1 - mu) P R^T
-        if B is not M:
-            M.copy_(B)
-        if q_update == "polar":
-            new_Q = polar_factor(R)
-        else:
-            new_Q = R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps)
-        Q.copy_(torch.where(nonzero, new_Q, Q))
-        m, n = p.shape
-        # P Q^T formed on its own, then added entrywise (as the reference's X.add_(P @ Q.T)): no strided GEMM
-        p.mul_(1 - lr * weight_decay).add_(P @ Q.T, alpha=-lr * math.sqrt(m / n))
+        p.mul_(1 - lr * weight_decay)
+        for pm, gm, Mm, Qm in zip(work.work(p), work.read(g), work.work(M), work.work(Q)):
+            _dion_matrix(pm, gm, Mm, Qm, lr=lr, momentum=momentum, eps=eps, q_update=q_update)
+    work.write_back()
+
+
+def _dion_matrix(p: torch.Tensor, g: torch.Tensor, M: torch.Tensor, Q: torch.Tensor, *, lr, momentum, eps,
+                 q_update) -> None:
+    """Dion's step of one ``(m, n)`` matrix ``p`` (already decayed), its buffer ``M`` and factor ``Q``."""
+    M.add_(g)
+    # the matrix products on a row-major copy: the bits do not depend on how p (and so M) is laid out
+    B = M if M.is_contiguous() else M.contiguous()
+    P, _ = torch.linalg.qr(B @ Q)                     # (m, r), orthonormal columns
+    R = B.T @ P                                       # (n, r)
+    # an all-zero buffer (an expert that got no tokens, a zero-initialised layer): no update, and Q is
+    # kept instead of becoming R / eps = 0, after which B Q = 0 for every B (microsoft/dion's guard)
+    nonzero = B.ne(0).any()
+    P = P.nan_to_num_().mul_(nonzero)
+    R = R.nan_to_num_()
+    B.addmm_(P, R.T, alpha=-(1 - momentum))           # error feedback: M <- B - (1 - mu) P R^T
+    if B is not M:
+        M.copy_(B)
+    if q_update == "polar":
+        new_Q = polar_factor(R)
+    else:
+        new_Q = R / (torch.linalg.vector_norm(R, dim=0, keepdim=True) + eps)
+    Q.copy_(torch.where(nonzero, new_Q, Q))
+    m, n = p.shape
+    # P Q^T formed on its own, then added entrywise (as the reference's X.add_(P @ Q.T)): no strided GEMM
+    p.add_(P @ Q.T, alpha=-lr * math.sqrt(m / n))
 
 
 class Dion(BookOptimizer):
@@ -117,7 +130,8 @@ class Dion(BookOptimizer):
     (:mod:`optbook.optim.dion`).
 
     Args:
-        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)`` (or what ``matrix_view`` steps), or
+            param-group dicts.
         lr: learning rate ``>= 0``; the step is ``lr * sqrt(fan_out / fan_in)`` times ``P Q^T``.
         momentum: ``mu`` in ``[0, 1)``: the error-feedback coefficient (``M <- B - (1 - mu) P R^T``).
         weight_decay: decoupled decay ``>= 0``, multiplied by ``lr``.
@@ -125,25 +139,32 @@ class Dion(BookOptimizer):
         q_update: ``"column_norm"`` (the paper) or ``"polar"`` (exact polar factor of ``R``; see the module).
         eps: added to each column norm of ``R``, ``> 0``.
         seed: an int ``>= 0`` seeding the Gaussian start of ``Q`` (one generator per parameter, so the start
-            does not depend on the order of the parameters).
+            does not depend on the order of the parameters; each matrix of a stack starts from the ``Q`` a
+            separate parameter of its shape would, so a stack steps bitwise as its matrices given separately).
+        matrix_view: ``"matrix"`` (default: 2-D tensors only), ``"flatten"`` (conv kernels as
+            ``(out, in*kh*kw)``) or ``"stacked"`` (``(*E, M, N)`` as ``prod(E)`` matrices), as
+            :class:`~optbook.optim.Muon`'s (:mod:`optbook.optim.matrix_views`); ``(m, n)``, ``r`` and the
+            scale ``sqrt(m / n)`` are those of each matrix stepped.
 
-    State per parameter: ``momentum_buffer`` ``(m, n)`` and ``right_factor`` ``(n, r)``, the parameter's
-    dtype. A float16/bfloat16 parameter is stepped in float32.
+    State per parameter: ``momentum_buffer`` (the parameter's shape) and ``right_factor`` ``(n, r)``
+    (``(*E, n, r)`` for a stack), the parameter's dtype. A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``seed`` not an int.
     """
 
     elementwise = False
-    matrix_hint = MATRIX_ROUTE
     float_options = ("lr", "momentum", "weight_decay", "eps")
 
     def __init__(self, params, lr: float = 0.01, momentum: float = 0.95, weight_decay: float = 0.0,
-                 rank_fraction: float = 1.0, q_update: str = "column_norm", eps: float = 1e-8, seed: int = 0):
+                 rank_fraction: float = 1.0, q_update: str = "column_norm", eps: float = 1e-8, seed: int = 0,
+                 matrix_view: str = "matrix"):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      rank_fraction=rank_fraction, q_update=q_update, eps=eps, seed=seed))
+                                      rank_fraction=rank_fraction, q_update=q_update, eps=eps, seed=seed,
+                                      matrix_view=matrix_view))
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -157,22 +178,32 @@ class Dion(BookOptimizer):
             raise ValueError(f"Invalid q_update: expected one of {Q_UPDATES}, got {group['q_update']!r}")
         check_eps(group["eps"])
         check_int("seed", group["seed"], 0)
+        check_group_shapes(group, "Dion", MATRIX_ROUTE)
+
+    @staticmethod
+    def _right_factor_shape(p: torch.Tensor, group: dict) -> tuple[int, ...]:
+        view = group.get("matrix_view", "matrix")
+        m, n = matrix_shape(p.shape, view)
+        return (*batch_shape(p.shape, view), n, dion_rank((m, n), group["rank_fraction"]))
 
     def _expected_state(self, p, group):
-        r = dion_rank(p.shape, group["rank_fraction"])
-        return {"momentum_buffer": (tuple(p.shape), p.dtype, True), "right_factor": ((p.shape[1], r), p.dtype, True)}
+        return {"momentum_buffer": (tuple(p.shape), p.dtype, True),
+                "right_factor": (self._right_factor_shape(p, group), p.dtype, True)}
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             state = self.state[p]
             if not state:
-                r = dion_rank(p.shape, group["rank_fraction"])
+                *batch, n, r = self._right_factor_shape(p, group)
                 gen = torch.Generator().manual_seed(group["seed"])
+                # one draw per parameter; each matrix of a stack starts from it, as a separate parameter would
+                Q = torch.randn((n, r), generator=gen, dtype=torch.float64).expand(*batch, n, r)
                 # one dict.update: an interrupt (Ctrl-C) cannot leave half a state behind
                 state.update(momentum_buffer=torch.zeros_like(p, memory_format=torch.contiguous_format),
-                             right_factor=torch.randn((p.shape[1], r), generator=gen, dtype=torch.float64).to(
-                                 device=p.device, dtype=p.dtype))
+                             right_factor=Q.to(device=p.device, dtype=p.dtype,
+                                               memory_format=torch.contiguous_format, copy=True))
         dion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
              [self.state[p]["right_factor"] for p in params], lr=group["lr"], momentum=group["momentum"],
-             weight_decay=group["weight_decay"], eps=group["eps"], q_update=group["q_update"])
+             weight_decay=group["weight_decay"], eps=group["eps"], q_update=group["q_update"],
+             matrix_view=group.get("matrix_view", "matrix"))

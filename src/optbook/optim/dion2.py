@@ -44,6 +44,7 @@ from .._checks import FLOATS, check_int, check_lr, check_number, check_weight_de
 from ..polar import COEFFICIENTS, newton_schulz
 from ._functional import steps_in_float32
 from .muon import SCALE_MODES, muon_scale
+from .matrix_views import MatrixWork, check_group_shapes
 from .normuon import MATRIX_ROUTE
 from .optimizer import BookOptimizer
 
@@ -68,28 +69,35 @@ def dion2_selection(shape, fraction: float) -> tuple[int, int]:
 @steps_in_float32(3)
 def dion2(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor], *, lr: float,
           fraction: float, ef_decay: float, weight_decay: float, eps: float = 1e-7, ns_steps: int = 5,
-          coefficients="polar_express", ns_dtype="bfloat16", scale_mode: str = "unit_rms_norm") -> None:
+          coefficients="polar_express", ns_dtype="bfloat16", scale_mode: str = "unit_rms_norm",
+          matrix_view: str = "matrix") -> None:
     """Apply one Dion2 step in place (the pure function behind :class:`Dion2`; the update is in the module
     docstring, :mod:`optbook.optim.dion2`).
 
     Args:
-        params, grads, momentum_buffers: lists of ``(m, n)`` tensors, one entry per parameter; the buffers are
-            updated in place.
-        lr, fraction, ef_decay, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode: as in
-            :class:`Dion2`; not re-validated here.
+        params, grads, momentum_buffers: lists of ``(m, n)`` tensors, one entry per parameter, or of tensors
+            that ``matrix_view`` sees as matrices (:mod:`optbook.optim.matrix_views`); the buffers are updated
+            in place.
+        lr, fraction, ef_decay, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode, matrix_view:
+            as in :class:`Dion2`; not re-validated here.
 
-    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer).
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffer). Each matrix
+    of a flattened or stacked tensor is stepped as a parameter of that matrix's shape would be (its own
+    selection of rows or columns, and its own scale).
     """
+    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
     for p, g, M in zip(params, grads, momentum_buffers):
-        M.add_(g)
-        select_dim, k = dion2_selection(p.shape, fraction)
-        norms = torch.linalg.vector_norm(M, ord=1, dim=-1 if select_dim == -2 else -2)
-        index = torch.sort(norms, descending=True, stable=True).indices[:k]
-        S = M.index_select(select_dim, index)                       # a copy: (k, n) or (m, k)
-        M.index_copy_(select_dim, index, S * ef_decay)                # error feedback on the selected slices
-        U = newton_schulz(S, ns_steps, coefficients, eps=eps, dtype=_dtype(ns_dtype)).to(p.dtype)
-        p.mul_(1 - lr * weight_decay)
-        p.index_add_(select_dim, index, U, alpha=-lr * muon_scale(p.shape, scale_mode))
+        for pm, gm, Mm in zip(work.work(p), work.read(g), work.work(M)):
+            Mm.add_(gm)
+            select_dim, k = dion2_selection(pm.shape, fraction)
+            norms = torch.linalg.vector_norm(Mm, ord=1, dim=-1 if select_dim == -2 else -2)
+            index = torch.sort(norms, descending=True, stable=True).indices[:k]
+            S = Mm.index_select(select_dim, index)                       # a copy: (k, n) or (m, k)
+            Mm.index_copy_(select_dim, index, S * ef_decay)              # error feedback: the selected slices
+            U = newton_schulz(S, ns_steps, coefficients, eps=eps, dtype=_dtype(ns_dtype)).to(p.dtype)
+            pm.mul_(1 - lr * weight_decay)
+            pm.index_add_(select_dim, index, U, alpha=-lr * muon_scale(pm.shape, scale_mode))
+    work.write_back()
 
 
 class Dion2(BookOptimizer):
@@ -99,7 +107,8 @@ class Dion2(BookOptimizer):
     The update and its relation to Muon are in the module docstring (:mod:`optbook.optim.dion2`).
 
     Args:
-        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)`` (or what ``matrix_view`` steps), or
+            param-group dicts.
         lr: learning rate ``>= 0``; the selected slices move by ``lr * muon_scale(shape, scale_mode)`` times
             the orthogonalised submatrix.
         fraction: the share of slices orthogonalised each step, in ``(0, 1]`` (a Python number: it fixes
@@ -112,27 +121,33 @@ class Dion2(BookOptimizer):
             so that ``torch.distributed.checkpoint`` can save the groups).
         scale_mode: as :class:`~optbook.optim.Muon`'s, of the full shape; ``"unit_rms_norm"``
             (``sqrt(fan_out / fan_in)``, the reference's ``adjust_lr="spectral_norm"``) by default.
+        matrix_view: ``"matrix"`` (default: 2-D tensors only), ``"flatten"`` (conv kernels as
+            ``(out, in*kh*kw)``) or ``"stacked"`` (``(*E, M, N)`` as ``prod(E)`` matrices), as
+            :class:`~optbook.optim.Muon`'s (:mod:`optbook.optim.matrix_views`); the selection and the scale
+            are those of each matrix stepped. (microsoft/dion#121 makes the reference refuse ``flatten=True``
+            for tensors of 3 or more dimensions in Dion2, its selection and error feedback not being
+            flatten-aware; here the flattened matrix is selected from as any matrix.)
 
-    State per parameter: ``momentum_buffer`` ``(m, n)``, the parameter's dtype.
+    State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
 
     Raises:
-        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``fraction`` given as a tensor.
     """
 
     elementwise = False
-    matrix_hint = MATRIX_ROUTE
     float_options = ("lr", "ef_decay", "weight_decay", "eps")
 
     def __init__(self, params, lr: float = 0.02, fraction: float = 0.25, ef_decay: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-7, ns_steps: int = 5, coefficients="polar_express",
-                 ns_dtype="bfloat16", scale_mode: str = "unit_rms_norm"):
+                 ns_dtype="bfloat16", scale_mode: str = "unit_rms_norm", matrix_view: str = "matrix"):
         if isinstance(ns_dtype, torch.dtype):
             ns_dtype = str(ns_dtype).removeprefix("torch.")
         super().__init__(params, dict(lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay,
                                       eps=eps, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
-                                      scale_mode=scale_mode))
+                                      scale_mode=scale_mode, matrix_view=matrix_view))
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -156,6 +171,7 @@ class Dion2(BookOptimizer):
             raise ValueError(f"Invalid ns_dtype: expected one of {names} (or the torch.dtype), got {ns_dtype!r}")
         if group["scale_mode"] not in SCALE_MODES:
             raise ValueError(f"Invalid scale_mode: expected one of {SCALE_MODES}, got {group['scale_mode']!r}")
+        check_group_shapes(group, "Dion2", MATRIX_ROUTE)
 
     def _expected_state(self, p, group):
         return {"momentum_buffer": (tuple(p.shape), p.dtype, True)}
@@ -168,4 +184,5 @@ class Dion2(BookOptimizer):
         dion2(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
               lr=group["lr"], fraction=group["fraction"], ef_decay=group["ef_decay"],
               weight_decay=group["weight_decay"], eps=group["eps"], ns_steps=group["ns_steps"],
-              coefficients=group["coefficients"], ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"])
+              coefficients=group["coefficients"], ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
+              matrix_view=group.get("matrix_view", "matrix"))

@@ -7,6 +7,10 @@ namespace, not in :mod:`optbook.optim`, so that ``optbook.optim.<name>`` is alwa
 (``optbook.optim.muon`` is the module that holds :class:`~optbook.optim.Muon`, ``optbook.optim.functional.muon``
 its update).
 
+The matrix optimizers' twins (``muon``, ``normuon``, ``adamuon``, ``dion``, ``dion2``) take the class's
+``matrix_view`` (:mod:`optbook.optim.matrix_views`): ``"matrix"`` by default, ``"flatten"`` for conv kernels
+stepped as ``(out, in*kh*kw)``, ``"stacked"`` for ``(*E, M, N)`` stacks stepped as their matrices.
+
 ========================  =====================================  =========
 function                  class                                  chapter
 ========================  =====================================  =========

@@ -17,10 +17,14 @@ For a 2-D parameter ``W`` of shape ``(fan_out, fan_in)`` (PyTorch layout) with g
 ``"original"``), ``"spectral"`` sqrt(max(A, B)) (with ``extra_scale_factor=0.2`` Moonlight's
 RMS matching, ``torch.optim.Muon``'s ``"match_rms_adamw"``), ``"unit_rms_norm"`` sqrt(A/B) (the
 RMS->RMS steepest-descent scale), ``"none"`` 1.
+
+A conv kernel or a stack of matrices is stepped as the matrices its group's ``matrix_view`` names
+(:mod:`optbook.optim.matrix_views`), each with the scale of its own shape.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from collections import defaultdict
@@ -30,7 +34,8 @@ import torch
 
 from ..polar import PRECONDITIONERS, newton_schulz, ns_schedule
 from ._functional import momentum_directions
-from .._checks import check_lr, check_matrices, check_momentum, check_nesterov, check_number, check_weight_decay
+from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
+from .matrix_views import MatrixWork, check_matrix_view, matrix_shape, matrix_view_of
 from .optimizer import BookOptimizer
 
 __all__ = ["Muon", "SCALE_MODES", "TURBO_SCHEDULE", "muon", "muon_scale", "split_rows"]
@@ -79,6 +84,9 @@ NS_ALGORITHMS = ("standard", "gram", "auto")
 #: dropped because AOL's rescaling does its work (Turbo-Muon, arXiv:2512.04632, sec. 3). Use with ``ns_steps=4``.
 TURBO_SCHEDULE = tuple(tuple(t) for t in ns_schedule("polar_express", 5)[1:])
 GRAM_ASPECT = 4
+#: Where Muon's error sends tensors it does not step.
+MUON_ROUTE = ("route embeddings, norms, biases and other tensors to AdamW, e.g. with "
+              "optbook.optim.muon_param_groups(model)")
 
 
 def muon_scale(shape: Sequence[int], scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0) -> float:
@@ -182,15 +190,17 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
          momentum: float, nesterov: bool, weight_decay: float, ns_steps: int = 5, coefficients="simple",
          scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
          ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
-         ns_algorithm: str = "standard", ns_precondition: str | None = None, scale_invariant: bool = True) -> None:
+         ns_algorithm: str = "standard", ns_precondition: str | None = None, scale_invariant: bool = True,
+         matrix_view: str = "matrix") -> None:
     """Apply one Muon step in place (the pure function behind :class:`Muon`).
 
     Args:
-        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per
-            parameter; ``momentum_buffers`` (the EMA ``M``) is updated in place.
+        params, grads, momentum_buffers: lists of equal-shape tensors, one entry per parameter: ``(fan_out,
+            fan_in)`` matrices, or tensors that ``matrix_view`` sees as matrices
+            (:mod:`optbook.optim.matrix_views`); ``momentum_buffers`` (the EMA ``M``) is updated in place.
         lr, momentum, nesterov, weight_decay, ns_steps, coefficients, scale_mode, extra_scale_factor,
-            eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition, scale_invariant: as in
-            :class:`Muon`; not re-validated here.
+            eps, ns_dtype, head_split, gram, ns_algorithm, ns_precondition, scale_invariant, matrix_view: as
+            in :class:`Muon`; not re-validated here.
 
     ``lr``, ``momentum`` and ``weight_decay`` may also be 0-d tensors (what
     :func:`optbook.optim.compiled_muon_step` passes, so that a new value is new data for a compiled graph,
@@ -205,34 +215,54 @@ def muon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers
     updates = orthogonalized_blocks(directions, ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
                                     extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
                                     head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
-                                    ns_precondition=ns_precondition, scale_invariant=scale_invariant)
+                                    ns_precondition=ns_precondition, scale_invariant=scale_invariant,
+                                    matrix_view=matrix_view)
+    if matrix_view == "matrix":
+        for p, blocks in zip(params, updates):
+            p.mul_(1 - lr * weight_decay)
+            _subtract_blocks(p, blocks, lr)
+        return
+    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
     for p, blocks in zip(params, updates):
         p.mul_(1 - lr * weight_decay)
-        row = 0
-        for o in blocks:  # each block straight into its rows of p: no concatenated copy
-            rows = p.narrow(0, row, o.shape[0])
-            if isinstance(lr, torch.Tensor):   # a 0-d tensor (a compiled step): data, not a graph constant
-                rows.addcmul_(o, lr, value=-1)
-            else:
-                rows.sub_(o, alpha=lr)
-            row += o.shape[0]
+        targets = work.work(p)
+        per = len(blocks) // len(targets)   # every matrix of one tensor is cut into as many row blocks
+        for k, target in enumerate(targets):
+            _subtract_blocks(target, blocks[k * per:(k + 1) * per], lr)
+    work.write_back()
+
+
+def _subtract_blocks(p: torch.Tensor, blocks: list[torch.Tensor], lr) -> None:
+    """``p[rows of block k] -= lr * block k`` for the row blocks of one matrix ``p``, in order."""
+    row = 0
+    for o in blocks:  # each block straight into its rows of p: no concatenated copy
+        rows = p.narrow(0, row, o.shape[0])
+        if isinstance(lr, torch.Tensor):   # a 0-d tensor (a compiled step): data, not a graph constant
+            rows.addcmul_(o, lr, value=-1)
+        else:
+            rows.sub_(o, alpha=lr)
+        row += o.shape[0]
 
 
 def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, coefficients="simple",
                           scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, eps: float = 1e-7,
                           ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
                           ns_algorithm: str = "standard", ns_precondition: str | None = None,
-                          scale_invariant: bool = True) -> list[list[torch.Tensor]]:
+                          scale_invariant: bool = True,
+                          matrix_view: str = "matrix") -> list[list[torch.Tensor]]:
     """Muon's update ``scale * O`` of each direction, per row block (what :func:`muon` subtracts).
 
     Args:
-        directions: ``(fan_out, fan_in)`` tensors (the momentum's step directions); only read.
-        ns_steps, ..., ns_precondition: as in :class:`Muon`; not re-validated here.
+        directions: ``(fan_out, fan_in)`` tensors (the momentum's step directions), or tensors that
+            ``matrix_view`` sees as matrices (:mod:`optbook.optim.matrix_views`); only read.
+        ns_steps, ..., ns_precondition, matrix_view: as in :class:`Muon`; not re-validated here.
 
     Returns:
-        For each direction, the list of its row blocks' updates (``split_rows(fan_out, head_split)``), each
-        of the block's shape and the direction's dtype: ``muon_scale(block) * newton_schulz(block)``. An
-        update may be a view of a batch (a tall block is the transpose of a wide one), not contiguous.
+        For each direction, the list of its row blocks' updates (``split_rows(rows, head_split)`` of each of
+        its matrices, the matrices in order: one for ``"matrix"`` and ``"flatten"``, ``prod(E)`` for a stack
+        ``(*E, M, N)``), each of the block's shape and the direction's dtype: ``muon_scale(block) *
+        newton_schulz(block)``, so a flattened kernel's scale is that of ``(out, in*kh*kw)``. An update may be
+        a view of a batch (a tall block is the transpose of a wide one), not contiguous.
 
     Blocks of equal shape up to a transpose (an MLP's ``(4d, d)`` and ``(d, 4d)``) are orthogonalised in
     one batched :func:`optbook.newton_schulz` call; a block whose shape no other block shares is passed as
@@ -244,6 +274,19 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
     # anyway, and the polar factor of X^T is the transpose of X's). A shape held by several blocks is
     # stacked into one batch, one held by a single block goes in as it is.
     ns_dtype = as_ns_dtype(ns_dtype)
+    if matrix_view != "matrix":   # each direction's matrices (a channels_last one's from a contiguous copy)
+        read = MatrixWork(matrix_view).read
+        per_direction = [read(d) for d in directions]
+        flat = orthogonalized_blocks([m for ms in per_direction for m in ms], ns_steps=ns_steps,
+                                     coefficients=coefficients, scale_mode=scale_mode,
+                                     extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype,
+                                     head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
+                                     ns_precondition=ns_precondition, scale_invariant=scale_invariant)
+        out, k = [], 0
+        for ms in per_direction:
+            out.append([b for bs in flat[k:k + len(ms)] for b in bs])
+            k += len(ms)
+        return out
     blocks = [list(d.split(split_rows(d.shape[0], head_split), dim=0)) for d in directions]
     by_shape = defaultdict(list)
     for i, bs in enumerate(blocks):
@@ -271,10 +314,12 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
 
 
 class Muon(BookOptimizer):
-    """Muon for 2-D hidden-layer weights (use :func:`muon_param_groups` to route the rest to AdamW).
+    """Muon for hidden-layer weights: matrices, and conv kernels or stacks of matrices when a group says so
+    (``matrix_view``); use :func:`muon_param_groups` to route the rest to AdamW.
 
     Args:
-        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        params: real floating-point tensors, or param-group dicts: 2-D ``(fan_out, fan_in)`` matrices, or
+            tensors the group's ``matrix_view`` sees as matrices.
         lr: learning rate ``>= 0`` (0.02 is Keller's default with ``shape_scaling``).
         momentum: EMA coefficient in ``[0, 1)``.
         nesterov: use ``lerp(G, M, momentum)`` as the direction; needs ``momentum > 0`` (pass
@@ -326,15 +371,25 @@ class Muon(BookOptimizer):
             least as close to the polar factor as torch's 5-step default on random matrices, with 4/5 of
             the products (``benchmarks/bench_muon.py`` measures both). Different mathematics: the polar
             factor of ``D X`` (a row-rescaled input), approximated.
+        matrix_view: how the group's tensors are seen as matrices (:mod:`optbook.optim.matrix_views`):
+            ``"matrix"`` (default: 2-D tensors only; any other shape is refused, nothing is guessed),
+            ``"flatten"`` (``(out, *rest)`` stepped as ``(out, prod(rest))``: conv kernels, contiguous or
+            ``channels_last``, bitwise the same step) or ``"stacked"`` (``(*E, M, N)`` as ``prod(E)`` matrices
+            ``(M, N)``: MoE experts, per-head weights; bitwise the step of the ``prod(E)`` matrices given as
+            separate parameters of one group). The scale (``scale_mode``) and ``head_split`` apply to each
+            matrix stepped: ``(out, in*kh*kw)`` for a flattened kernel, ``(M, N)`` for each matrix of a stack.
+            Only :class:`Muon` itself steps the last two; its distributed subclasses refuse them.
 
     Blocks of equal shape (up to a transpose) across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
 
     Raises:
-        ValueError: a parameter that is not 2-D (the message names its shape and points to
-            ``muon_param_groups``), bad hyperparameters, a ``head_split`` that does not divide the
-            rows (also when a group's ``head_split`` is edited later: checked at every step), or a
-            non-finite gradient (raised before anything changes: skip such a step, chapter 11); an
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (under the default, one that is
+            not 2-D: the message names its shape, points to ``muon_param_groups`` and, for 3 or more
+            dimensions, to ``matrix_view``; ``"stacked"`` on a 2-D tensor), bad hyperparameters, a
+            ``head_split`` that does not divide the rows (also when a group's ``head_split`` or
+            ``matrix_view`` is edited later: checked at every step), or a non-finite gradient (raised before
+            anything changes: skip such a step, chapter 11); an
             unknown ``gram`` or ``ns_algorithm``, or ``gram="symmetric"`` with ``ns_dtype=torch.float64``.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
@@ -349,12 +404,13 @@ class Muon(BookOptimizer):
                  scale_mode: str = "shape_scaling", extra_scale_factor: float = 1.0, *, eps: float = 1e-7,
                  ns_dtype: torch.dtype = torch.bfloat16, head_split=None, gram: str = "plain",
                  ns_algorithm: str = "standard", ns_precondition: str | None = None,
-                 scale_invariant: bool = True):
+                 scale_invariant: bool = True, matrix_view: str = "matrix"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficients=coefficients, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor, eps=eps, ns_dtype=ns_dtype_name(ns_dtype),
                         head_split=head_split, gram=gram, ns_algorithm=ns_algorithm,
-                        ns_precondition=ns_precondition, scale_invariant=scale_invariant)
+                        ns_precondition=ns_precondition, scale_invariant=scale_invariant,
+                        matrix_view=matrix_view)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -365,12 +421,22 @@ class Muon(BookOptimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group = with_ns_dtype_name(param_group)
         group = {**self.defaults, **param_group}
-        check_matrices(params, "Muon", "route embeddings, norms, biases and other tensors to AdamW, e.g. with "
-                                       "optbook.optim.muon_param_groups(model)")
+        self._check_shapes(group, [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params])
+        super().add_param_group({**param_group, "params": params})
+
+    def _check_shapes(self, group: dict, params: list) -> None:
+        """Every tensor of ``params`` has a shape the group's ``matrix_view`` steps, whose matrices'
+        rows ``head_split`` divides; a subclass with a step of its own (the distributed Muons) takes
+        ``"matrix"`` only."""
+        view = matrix_view_of(group)
+        # (unwrapped: torch.optim wraps a class's step in its profiling hook when the first instance is made)
+        if view != "matrix" and inspect.unwrap(type(self).step) is not inspect.unwrap(BookOptimizer.step):
+            raise ValueError(f"Invalid matrix_view: {type(self).__name__} steps 2-D matrices only "
+                             f"(matrix_view='matrix'), got {view!r}; optbook.optim.Muon steps the others")
+        check_matrix_view(params, view, "Muon", MUON_ROUTE)
         for p in params:
             if isinstance(p, torch.Tensor):
-                split_rows(p.shape[0], group["head_split"])
-        super().add_param_group({**param_group, "params": params})
+                split_rows(matrix_shape(p.shape, view)[0], group["head_split"])
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_lr(group["lr"])
@@ -396,9 +462,8 @@ class Muon(BookOptimizer):
         if group["gram"] == "symmetric" and group["ns_dtype"] == "float64":
             raise ValueError("Invalid gram: 'symmetric' needs ns_dtype float16, bfloat16 or float32, got "
                              "torch.float64 (the Triton kernels have no float64 path)")
-        for p in group["params"]:  # head_split may have been edited since the group was added
-            if isinstance(p, torch.Tensor) and p.ndim == 2:
-                split_rows(p.shape[0], group["head_split"])
+        # head_split or matrix_view may have been edited since the group was added
+        self._check_shapes(group, group.get("params", ()))
 
     #: ``None`` (the eager :func:`muon`), or the ``torch.compile``-d :func:`muon` that
     #: :func:`optbook.optim.compiled_muon_step` installs: ``step()`` then runs it, ``lr`` passed as a 0-d tensor.
@@ -425,4 +490,5 @@ class Muon(BookOptimizer):
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
              ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],
              ns_algorithm=group["ns_algorithm"], ns_precondition=group["ns_precondition"],
-             scale_invariant=group.get("scale_invariant", True))
+             scale_invariant=group.get("scale_invariant", True),
+             matrix_view=group.get("matrix_view", "matrix"))

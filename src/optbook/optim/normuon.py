@@ -34,6 +34,7 @@ from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
 from .muon import (as_ns_dtype, check_scale_invariant, exact_rescale, muon_scale, ns_dtype_name,
                    with_ns_dtype_name)
+from .matrix_views import MatrixWork, batch_shape, check_group_shapes, matrix_shape
 from .optimizer import BookOptimizer
 
 __all__ = ["NorMuon", "check_orthogonalisation", "normuon", "orthogonalize"]
@@ -77,31 +78,45 @@ def check_orthogonalisation(group: dict) -> None:
     check_scale_invariant(group)
 
 
+def variance_shape(shape, matrix_view: str) -> tuple[int, ...]:
+    """The shape of NorMuon's per-neuron ``variance`` for a parameter of ``shape``: one entry per row of
+    each matrix stepped, ``(rows, 1)``, or ``(*E, M, 1)`` for a stack."""
+    return (*batch_shape(shape, matrix_view), matrix_shape(shape, matrix_view)[0], 1)
+
+
 @torch.no_grad()
 @steps_in_float32(4)
 def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
             variance_buffers: list[torch.Tensor], *, lr: float, momentum: float, nesterov: bool, beta2: float,
             weight_decay: float, eps: float, ns_steps: int = 5, coefficients="simple",
             ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
-            extra_scale_factor: float = 1.0, scale_invariant: bool = True) -> None:
+            extra_scale_factor: float = 1.0, scale_invariant: bool = True,
+            matrix_view: str = "matrix") -> None:
     """Apply one NorMuon step in place (the pure function behind :class:`NorMuon`).
 
     Args:
-        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per parameter.
-        variance_buffers: one ``(fan_out, 1)`` tensor per parameter (the per-neuron ``v``), updated in place.
+        params, grads, momentum_buffers: lists of ``(fan_out, fan_in)`` tensors, one entry per parameter, or
+            of tensors that ``matrix_view`` sees as matrices (:mod:`optbook.optim.matrix_views`).
+        variance_buffers: one ``(fan_out, 1)`` tensor per matrix (the per-neuron ``v``; ``(*E, M, 1)`` for a
+            stack ``(*E, M, N)``), updated in place.
         lr, momentum, nesterov, beta2, weight_decay, eps, ns_steps, coefficients, ns_dtype, scale_mode,
-            extra_scale_factor, scale_invariant: as in :class:`NorMuon`; not re-validated here.
+            extra_scale_factor, scale_invariant, matrix_view: as in :class:`NorMuon`; not re-validated here.
 
-    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers).
+    A float16/bfloat16 parameter is stepped in float32 and rounded back once (with its buffers). Each
+    matrix of a flattened or stacked tensor is stepped as a parameter of that matrix's shape would be.
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
+    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
     for p, d, v in zip(params, directions, variance_buffers):
-        O = orthogonalize(d, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
-                          scale_invariant=scale_invariant).to(p.dtype)
-        v.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
-        N = O / (v.sqrt() + eps)
-        N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
-        p.mul_(1 - lr * weight_decay).sub_(N, alpha=lr * muon_scale(p.shape, scale_mode, extra_scale_factor))
+        p.mul_(1 - lr * weight_decay)
+        for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
+            O = orthogonalize(dm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                              scale_invariant=scale_invariant).to(p.dtype)
+            vm.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
+            N = O / (vm.sqrt() + eps)
+            N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
+            pm.sub_(N, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
+    work.write_back()
 
 
 class NorMuon(BookOptimizer):
@@ -110,7 +125,8 @@ class NorMuon(BookOptimizer):
     The derivation and the update are in the module docstring (:mod:`optbook.optim.normuon`).
 
     Args:
-        params: 2-D real floating-point tensors ``(fan_out, fan_in)``, or param-group dicts.
+        params: 2-D real floating-point tensors ``(fan_out, fan_in)`` (or what ``matrix_view`` steps), or
+            param-group dicts.
         lr: learning rate ``>= 0``.
         momentum: EMA coefficient of the first moment, in ``[0, 1)``.
         nesterov: look-ahead direction ``lerp(G, M, momentum)``; needs ``momentum > 0``.
@@ -124,13 +140,19 @@ class NorMuon(BookOptimizer):
             floor ``D / max(||D||_F, 1e-7)``, as ``torch.optim.Muon``'s ``eps``, shrinks a direction below
             1e-7); the decision and its numbers are at :class:`~optbook.optim.Muon`'s ``scale_invariant``.
         scale_mode, extra_scale_factor: the shape scale of :func:`~optbook.optim.muon_scale`.
+        matrix_view: ``"matrix"`` (default: 2-D tensors only), ``"flatten"`` (conv kernels as
+            ``(out, in*kh*kw)``) or ``"stacked"`` (``(*E, M, N)`` as ``prod(E)`` matrices), as
+            :class:`~optbook.optim.Muon`'s (:mod:`optbook.optim.matrix_views`); the scale and the per-neuron
+            statistic are those of each matrix stepped.
 
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) and ``variance``
-    (``(fan_out, 1)``, the parameter's dtype). A float16/bfloat16 parameter is stepped in float32.
+    (``(fan_out, 1)``; ``(out, 1)`` for a flattened kernel, ``(*E, M, 1)`` for a stack; the parameter's
+    dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter that is not 2-D, a hyperparameter out of range (the message names it), a
-            non-finite gradient (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
+        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
+            a hyperparameter out of range (the message names it), a non-finite gradient
+            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
         TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
     """
 
@@ -140,14 +162,13 @@ class NorMuon(BookOptimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
                  ns_dtype: torch.dtype = torch.bfloat16, scale_mode: str = "shape_scaling",
-                 extra_scale_factor: float = 1.0, scale_invariant: bool = True):
+                 extra_scale_factor: float = 1.0, scale_invariant: bool = True, matrix_view: str = "matrix"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2,
                                       weight_decay=weight_decay, eps=eps, ns_steps=ns_steps,
                                       coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
                                       scale_mode=scale_mode,
-                                      extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant))
-
-    matrix_hint = MATRIX_ROUTE
+                                      extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant,
+                                      matrix_view=matrix_view))
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
@@ -159,19 +180,24 @@ class NorMuon(BookOptimizer):
         check_weight_decay(group["weight_decay"])
         check_eps(group["eps"])
         check_orthogonalisation(group)
+        check_group_shapes(group, "NorMuon", MATRIX_ROUTE)
 
     def _expected_state(self, p, group):
-        return {"momentum_buffer": (tuple(p.shape), p.dtype, True), "variance": ((p.shape[0], 1), p.dtype, True)}
+        return {"momentum_buffer": (tuple(p.shape), p.dtype, True),
+                "variance": (variance_shape(p.shape, group.get("matrix_view", "matrix")), p.dtype, True)}
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                self.state[p]["variance"] = p.new_zeros((p.shape[0], 1))
+                view = group.get("matrix_view", "matrix")
+                self.state[p]["variance"] = p.new_zeros(variance_shape(p.shape, view))
         normuon(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
                 [self.state[p]["variance"] for p in params], lr=group["lr"], momentum=group["momentum"],
                 nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=group["weight_decay"],
                 eps=group["eps"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
                 ns_dtype=group["ns_dtype"], scale_mode=group["scale_mode"],
-                extra_scale_factor=group["extra_scale_factor"], scale_invariant=group.get("scale_invariant", True))
+                extra_scale_factor=group["extra_scale_factor"],
+                scale_invariant=group.get("scale_invariant", True),
+                matrix_view=group.get("matrix_view", "matrix"))
