@@ -12,7 +12,9 @@ are present with the URL set in ``_config.yml``. What a reader sees, at 1400 px,
 a 390 px phone (both emulated, with touch): formulas at the size MathJax chose unless one overflows (then
 scaled to fit, to no less than 80 %), nothing wider than the window, code lines never wrapped (and at
 1400 px a code box holds 88 characters), no word broken in a table, figures whole (not half-hidden in a
-box that scrolls sideways), unsquashed and as wide as fits, no solution or solution check shown before
+box that scrolls sideways), unsquashed and as wide as fits (and on the phone drawn at no less than 40 % of
+their 1x size, so that their text stays legible), exercise headings without a section number in front of
+their own (``Exercise 18b.1``, not ``18.8.6.1. Exercise 18b.1``), no solution or solution check shown before
 its drop-down is opened, no cell printing a bare return value, every interactive figure redrawn by its
 slider, with a numbered caption that says what to try and every label inside the drawing. On a phone a
 tap on either sidebar button opens its panel, and a pick in the page-contents panel closes it and shows
@@ -20,7 +22,8 @@ the section; on a desktop the contents button collapses the sidebar. Screenshots
 page at each width go to ``_build/screenshots/<desktop|tablet|phone>/``. Without a browser: the search
 page finds "Newton"; every internal link and anchor resolves; the root page and ``/favicon.ico`` load;
 a note written ``:::{note} Title`` shows its title; the rendered code drops the harness
-(``reader_source``); figures are stored at 2x except in the notebooks listed in ``STILL_1X``; and the
+(``reader_source``); figures are stored at 2x except in the notebooks listed in ``STILL_1X``, and no wider
+than 8.5 in except in those listed in ``STILL_WIDE``; and the
 student site's launch buttons open the student branch. Screenshots of two pages go to
 ``_build/test-artifacts/``.
 
@@ -307,7 +310,10 @@ def test_page_in_browser(page, browser, server):
 # chose (reader.js may shrink only one that overflows, and to no less than 80 %); elements that reach past
 # the viewport (the page scrolls sideways); code lines that wrap (a line drawn on several rows), and at
 # the desktop width code boxes too narrow for 88 characters; words broken inside a table; figures
-# shown in part (inside a box that scrolls sideways) or narrower than what fits; outputs visible in the
+# shown in part (inside a box that scrolls sideways) or narrower than what fits, and on the phone figures
+# drawn below PHONE_MIN_SCALE of their 1x width (a 10 pt tick label, 13.9 px at 1x, would fall below
+# 5.6 px: too wide a figure, or three panels side by side, which must be stacked in rows); exercise
+# headings whose section number shows ("18.8.6.1. Exercise 18b.1"); outputs visible in the
 # Exercises section (a solution or a check of one shown before its drop-down is opened); Solution
 # admonitions that are not closed drop-downs; outputs that are a bare return value (a number, a bool or a
 # tuple of them, which a cell's last line prints); interactive figures (slider, numbered caption that
@@ -327,8 +333,9 @@ const clips = (el) => {  // inside a box that scrolls sideways (a wide table's c
   return false;
 };
 const out = {equations: [], math: [], wide: [], answers: [], closed: [], bare: [], interactive: [],
-             wrapped: [], narrow: [], broken: [], figures: []};
+             wrapped: [], narrow: [], broken: [], figures: [], headings: []};
 const MIN = 0.8;
+const PHONE_MIN_SCALE = 0.40;  // FIGURE_MAX_WIDTH's 850 px fit at 41 % in the phone's 347 px column
 const items = [];
 try { for (const item of MathJax.startup.document.math) items.push(item); } catch (e) { /* no math */ }
 const outputScale = (window.MathJax && MathJax.startup && MathJax.startup.output &&
@@ -405,6 +412,15 @@ document.querySelectorAll('.bd-article img').forEach(img => {  // the whole pict
                      `${img.naturalHeight} image: ${img.alt.slice(0, 50)}`);
   if (w < Math.min(own, room) - 2)
     out.figures.push(`${Math.round(w)} px wide where ${Math.round(Math.min(own, room))} px fit: ${img.alt.slice(0, 50)}`);
+  if (width === 'phone' && w < PHONE_MIN_SCALE * own - 0.5)
+    out.figures.push(`drawn at ${Math.round(100 * w / own)} % of its ${Math.round(own)} px width on the phone ` +
+                     `(at least ${Math.round(100 * PHONE_MIN_SCALE)} %: narrower, or panels in rows): ` +
+                     img.alt.slice(0, 50));
+});
+document.querySelectorAll('.bd-article section[id^="exercise-"] > :is(h2, h3, h4)').forEach(h => {
+  const number = h.querySelector('.section-number');
+  if (number && visible(number) && number.getBoundingClientRect().width > 0)
+    out.headings.push(text(h, 60));
 });
 const exercises = document.querySelector('section#exercises, section[id^="exercises"]');
 if (exercises) exercises.querySelectorAll('.cell_output').forEach(o => {
@@ -476,7 +492,8 @@ def _reader_view(driver, url: str, width: str, name: str) -> dict:
 def test_what_a_reader_sees(page, width, browser, server):
     """At 1400, 768 and 390 px: formulas at MathJax's size unless they overflow (then no less than 80 %),
     nothing wider than the screen, code lines never wrapped (at 1400 px a code box holds 88 characters),
-    table words never broken, figures whole and as wide as fits, no answer shown unasked, no bare return
+    table words never broken, figures whole and as wide as fits (on the phone at no less than 40 % of their
+    1x width), exercise headings without a section number, no answer shown unasked, no bare return
     value printed, every interactive figure answers its slider and has a numbered caption."""
     seen = _reader_view(browser, urljoin(server, f"{page}.html"), width, page.replace("/", "_"))
     problems = [f"display equation wider than its box, {e}" for e in seen["equations"]]
@@ -486,6 +503,7 @@ def test_what_a_reader_sees(page, width, browser, server):
     problems += [f"code box narrower than 88 characters: {c}" for c in seen["narrow"]]
     problems += [f"word broken in a table: {b}" for b in seen["broken"]]
     problems += [f"figure {f}" for f in seen["figures"]]
+    problems += [f"exercise heading with a section number in front: {h}" for h in seen["headings"]]
     problems += [f"answer shown before it is asked for: {a}" for a in seen["answers"]]
     problems += [f"solution {c}" for c in seen["closed"]]
     problems += [f"bare return value printed: {b}" for b in seen["bare"]]
@@ -571,35 +589,65 @@ STILL_1X = {
     "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip",
     "book/11_mixed_precision",
     "book/13_zero1",
-    "book/15_fast_newton_schulz", "book/15b_ns_frontier",
-    "book/18_after_muon", "book/18b_steps_to_target",
 }
+# Notebooks with a stored figure wider than FIGURE_MAX_WIDTH (1x pixels): each leaves the list once its
+# wide figures are narrowed or their panels restacked in rows (optbook.plotting.subplots(rows, 1, ...)).
+STILL_WIDE = {
+    "book/01_sgd_momentum", "book/02_adam", "book/06_muon",
+    "book/07b_width_transfer", "book/08_muonclip", "book/08b_logit_harm", "book/08c_qk_clip_in_practice",
+}
+# 8.5 in at the book's 100 dpi: in a 390 px phone's 347 px column such a figure is drawn at 41 % of its
+# size, its 10 pt labels at 5.7 CSS px (17 device pixels on a 3x screen, from the 2x image): about the
+# most a figure can lose and stay readable. The browser test's PHONE_MIN_SCALE (40 %) measures it on the
+# page itself.
+FIGURE_MAX_WIDTH = 850
+
+
+def _stored_figures(page):
+    """(PNG width, PNG height, width shown, height shown) of every stored matplotlib figure of a page."""
+    import base64
+    import json
+    import struct
+
+    path = (ROOT / page).with_suffix(".ipynb")
+    if not path.exists():
+        return []
+    sizes = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        for output in cell.get("outputs", []):
+            png = output.get("data", {}).get("image/png")
+            if png:
+                width, height = struct.unpack(">II", base64.b64decode("".join(png))[16:24])
+                shown = output.get("metadata", {}).get("image/png", {})
+                sizes.append((width, height, shown.get("width", width), shown.get("height", height)))
+    return sizes
 
 
 def test_figures_at_2x():
     """Every matplotlib figure of a notebook outside STILL_1X is stored at twice its display size (PNG
     pixels = 2 x the width and height in its output metadata, which the page uses), so that it is sharp
     on a phone's screen and under zoom."""
-    import base64
-    import json
-    import struct
-
     wrong = []
     for page in PAGES:
-        path = (ROOT / page).with_suffix(".ipynb")
-        if not path.exists():
-            continue
-        sizes = []
-        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
-            for output in cell.get("outputs", []):
-                png = output.get("data", {}).get("image/png")
-                if png:
-                    width, height = struct.unpack(">II", base64.b64decode("".join(png))[16:24])
-                    shown = output.get("metadata", {}).get("image/png", {})
-                    sizes.append((width, height, shown.get("width", width), shown.get("height", height)))
+        sizes = _stored_figures(page)
         at_2x = [abs(w - 2 * sw) <= 2 and abs(h - 2 * sh) <= 2 for w, h, sw, sh in sizes]
         if page not in STILL_1X and not all(at_2x):
             wrong.append(f"{page}: {at_2x.count(False)} of {len(sizes)} figures at 1x")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_figures_fit_a_phone():
+    """Every stored figure of a notebook outside STILL_WIDE is at most FIGURE_MAX_WIDTH pixels wide at 1x
+    (8.5 in at 100 dpi; a figure of three or more panels side by side is restacked in rows to get there),
+    so that in a 390 px phone's 347 px column it is drawn at no less than 41 % of its size. Without a browser: the
+    browser test measures the same thing on the built page."""
+    wrong = []
+    for page in PAGES:
+        if page in STILL_WIDE:
+            continue
+        wide = [shown_w for _, _, shown_w, _ in _stored_figures(page) if shown_w > FIGURE_MAX_WIDTH]
+        if wide:
+            wrong.append(f"{page}: figures {wide} px wide at 1x (at most {FIGURE_MAX_WIDTH})")
     assert wrong == [], "\n".join(wrong)
 
 
