@@ -229,14 +229,21 @@ def test_soap_first_step_in_float32_is_bounded_by_lr_sqrt_mn(scale, rank):
 
 
 def test_soap_first_step_in_float64_is_lr_times_the_polar_factor():
-    """Unchanged by the fix (a property, not a regression): ``lr U V^T`` up to ``eps / sigma_min`` (4e-7 here)."""
+    """Unchanged by the fix (a property, not a regression): ``lr U V^T`` up to the eigenbases' rounding.
+
+    In exact arithmetic the gradient rotated into SOAP's eigenbases is diagonal (its singular values), and
+    Adam's first step maps each entry to its sign. In float64 the zero entries come out as rounding errors
+    ``r`` of order ``u ||G||^2 / gap`` (up to 6e-14 for this ``G``: the Gram matrices square its scale),
+    and the step maps each to ``r / (|r| + eps)``, about ``r / eps`` = 6e-6, times ``lr`` = 0.5. Measured: 4e-7
+    on one CPU, 1.1e-6 on another (its LAPACK rounds differently); the bound 1e-5 is the estimate's 3e-6
+    with a margin, and still 5e4 times below the step's own size (0.5 x the polar factor's entries)."""
     from optbook.polar import polar_factor
     from optbook.optim import SOAP
     G = torch.randn(16, 24, generator=torch.Generator().manual_seed(0), dtype=F64)
     W = torch.nn.Parameter(torch.zeros(16, 24, dtype=F64))
     W.grad = G.clone()
     SOAP([W], lr=0.5).step()
-    assert (W.detach() + 0.5 * polar_factor(G)).abs().max() < 1e-6
+    assert (W.detach() + 0.5 * polar_factor(G)).abs().max() < 1e-5
 
 
 # --- polar_express_coefficients on NumPy scalars -------------------------------------------------------------
