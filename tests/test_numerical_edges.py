@@ -234,8 +234,8 @@ def test_soap_first_step_in_float64_is_lr_times_the_polar_factor():
     In exact arithmetic the gradient rotated into SOAP's eigenbases is diagonal (its singular values), and
     Adam's first step maps each entry to its sign. In float64 the zero entries come out as rounding errors
     ``r`` of order ``u ||G||^2 / gap`` (up to 6e-14 for this ``G``: the Gram matrices square its scale),
-    and the step maps each to ``r / (|r| + eps)``, about ``r / eps`` = 6e-6, times ``lr`` = 0.5. Measured: 4e-7
-    on one CPU, 1.1e-6 on another (its LAPACK rounds differently); the bound 1e-5 is the estimate's 3e-6
+    and the step maps each to ``r / (|r| + eps)``, about ``r / eps`` = 6e-6, times ``lr`` = 0.5. Measured:
+    1.1e-6 on a 2-core AMD EPYC (2026-12-06; an earlier bound of 1e-6 passed on another CPU); the bound 1e-5 is the estimate's 3e-6
     with a margin, about 7000 times below the step's median entry (0.5 x the polar factor's: 0.066)."""
     from optbook.polar import polar_factor
     from optbook.optim import SOAP
