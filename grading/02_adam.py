@@ -9,8 +9,8 @@ OK_FORMAT = False
 name = "Exercise 2.2"
 ANCHOR = "### Exercise 2.2"
 SOLUTION = """\
-# Solution 2.2 (graded): Var(m) -> sigma^2 (1 - beta1) / (1 + beta1) and v -> sigma^2, so the
-# RMS of m / sqrt(v) is sqrt((1 - beta1) / (1 + beta1)).
+# Solution 2.2 (graded): Var(m) -> sigma^2 (1 - beta1) / (1 + beta1) and v -> sigma^2,
+# so the RMS of m / sqrt(v) is sqrt((1 - beta1) / (1 + beta1)).
 # answer_2_2: (RMS for beta1 = 0.95, RMS for beta1 = 0), two floats
 answer_2_2 = tuple(math.sqrt((1 - b1) / (1 + b1)) for b1 in (0.95, 0.0))
 """

@@ -9,7 +9,8 @@ OK_FORMAT = False
 name = "Exercise 4.3"
 ANCHOR = "### Exercise 4.3"
 SOLUTION = """\
-# Solution 4.3 (graded): L_t = t G G^T and R_t = t G^T G, so the step is U V^T / sqrt(t).
+# Solution 4.3 (graded): L_t = t G G^T and R_t = t G^T G, so the step is
+# U V^T / sqrt(t).
 # answer_4_3: the length of step 4 divided by the length of step 1 (a float)
 answer_4_3 = 1 / math.sqrt(4)
 """

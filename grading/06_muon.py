@@ -9,8 +9,8 @@ OK_FORMAT = False
 name = "Exercise 6.1"
 ANCHOR = "### Exercise 6.1"
 SOLUTION = """\
-# Solution 6.1 (graded): RMS(U V^T) = 1 / sqrt(max(A, B)), times shape_scaling's s = 1 here.
-# answer_6_1: the RMS of the "shape_scaling" update of a 1024 x 4096 matrix per unit lr (a float)
+# Solution 6.1 (graded): RMS(U V^T) = 1 / sqrt(max(A, B)), times shape_scaling's s = 1.
+# answer_6_1: RMS of the "shape_scaling" update of a 1024 x 4096 matrix, per unit lr
 answer_6_1 = 1 / math.sqrt(max(1024, 4096))
 """
 

@@ -9,8 +9,9 @@ OK_FORMAT = False
 name = "Exercise 7.1"
 ANCHOR = "### Exercise 7.1"
 SOLUTION = """\
-# Solution 7.1 (graded): the same step needs eta_M = 0.02 * s_Keller / s_Moonlight = 0.1 / sqrt(fan-in).
-# answer_7_1: (lr for the 3072 x 768 up-projection, lr for the 768 x 3072 down-projection)
+# Solution 7.1 (graded): the same step needs
+# eta_M = 0.02 * s_Keller / s_Moonlight = 0.1 / sqrt(fan-in).
+# answer_7_1: (lr of the 3072 x 768 up-projection, lr of the 768 x 3072 down-projection)
 answer_7_1 = (0.1 / math.sqrt(768), 0.1 / math.sqrt(3072))
 """
 

@@ -11,9 +11,13 @@ ANCHOR = "### Exercise 7b.1"
 SOLUTION = """\
 # Solution 7b.1 (graded): the factor of the solution above, one per scale mode.
 # answer_7b_1: {"spectral": factor, "unit_rms_norm": factor}, lr(1024) / lr(64)
+def spectral_size(shape, mode, extra):
+    return muon_scale(shape, mode, extra) / math.sqrt(shape[0] / shape[1])
+
+
 answer_7b_1 = {
-    mode: (muon_scale(shapes(64)[0], mode, extra) / math.sqrt(shapes(64)[0][0] / shapes(64)[0][1]))
-    / (muon_scale(shapes(1024)[0], mode, extra) / math.sqrt(shapes(1024)[0][0] / shapes(1024)[0][1]))
+    mode: spectral_size(shapes(64)[0], mode, extra)
+    / spectral_size(shapes(1024)[0], mode, extra)
     for mode, extra in (("spectral", 0.2), ("unit_rms_norm", 1.0))
 }
 """

@@ -10,7 +10,7 @@ name = "Exercise 8.2"
 ANCHOR = "### Exercise 8.2"
 SOLUTION = """\
 # Solution 8.2 (b) (graded): beta = 1 and alpha_h = gamma_h = min(1, tau / S_h).
-# answer_8_2: ((alpha_1, alpha_2), beta) for maxima 200 and 50 in one group and tau = 100
+# answer_8_2: ((alpha_1, alpha_2), beta) for maxima 200 and 50 in a group, tau = 100
 answer_8_2 = (tuple(min(1.0, 100 / s) for s in (200, 50)), 1.0)
 """
 

@@ -9,11 +9,11 @@ OK_FORMAT = False
 name = "Exercise 8b.1"
 ANCHOR = "### Exercise 8b.1"
 SOLUTION = """\
-# Solution 8b.1 (graded): e^(2 Delta) >= 2 needs Delta = half the spacing >= ln 2 / 2; bfloat16's
-# spacing is 2^(e-7), float16's 2^(e-10), so the first binade [2^e, 2^(e+1)) where that holds.
+# Solution 8b.1 (graded): e^(2 Delta) >= 2 needs half the spacing Delta >= ln(2) / 2.
+# The spacing on [2^e, 2^(e+1)) is 2^(e-7) in bfloat16 and 2^(e-10) in float16.
 # answer_8b_1: (first logit size for bfloat16, for float16), two powers of two
 answer_8b_1 = tuple(
-    next(2.0 ** e for e in range(40) if math.exp(2 * 2.0 ** (e - p) / 2) >= 2) for p in (7, 10)
+    next(2.0**e for e in range(40) if math.exp(2.0 ** (e - p)) >= 2) for p in (7, 10)
 )
 """
 

@@ -9,8 +9,8 @@ OK_FORMAT = False
 name = "Exercise 8.6"
 ANCHOR = "### Exercise 8.6"
 SOLUTION = """\
-# Solution 8.6 (graded): gamma = (0.5, 1), beta = sqrt(0.5) under both rules; the group rule gives
-# alpha = beta for both heads, the per-head rule alpha_h = gamma_h / beta.
+# Solution 8.6 (graded): gamma = (0.5, 1) and beta = sqrt(0.5) under both rules; the
+# group rule gives alpha = beta to both heads, the per-head rule gamma_h / beta.
 # answer_8_6: {"group": (alpha_1, alpha_2, beta), "per_head": (alpha_1, alpha_2, beta)}
 answer_8_6 = {
     "group": (math.sqrt(0.5), math.sqrt(0.5), math.sqrt(0.5)),

@@ -9,8 +9,9 @@ OK_FORMAT = False
 name = "Exercise 9.1"
 ANCHOR = "### Exercise 9.1"
 SOLUTION = """\
-# Solution 9.1 (graded): LambdaLR evaluates the lambda at s = 0, which lr_lambda maps to n = 1.
-# answer_9_1: (lr held after construction, lr of the first step with lambda s: min(1, s / 4))
+# Solution 9.1 (graded): LambdaLR evaluates the lambda at s = 0, which lr_lambda maps
+# to n = 1.
+# answer_9_1: (lr held after construction, first lr with lambda s: min(1, s / 4))
 answer_9_1 = (1e-3 * 1 / 4, 1e-3 * min(1, 0 / 4))
 """
 

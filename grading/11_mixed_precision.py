@@ -9,10 +9,10 @@ OK_FORMAT = False
 name = "Exercise 11.1"
 ANCHOR = "### Exercise 11.1"
 SOLUTION = """\
-# Solution 11.1 (graded): below 1 the float16 spacing is 2^-11; 1 - delta rounds back to 1 up to
-# half of it, the tie included (1 is the even neighbour).
+# Solution 11.1 (graded): below 1 the float16 spacing is 2^-11; 1 - delta rounds back
+# to 1 up to half of it, the tie included (1 is the even neighbour).
 # answer_11_1: the largest delta with float16(1 - delta) == 1 (a float)
-answer_11_1 = 2.0 ** -12
+answer_11_1 = 2.0**-12
 """
 
 

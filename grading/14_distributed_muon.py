@@ -9,16 +9,17 @@ OK_FORMAT = False
 name = "Exercise 14.1"
 ANCHOR = "Graham's bound is tight"
 SOLUTION = """\
-# Solution 1 (graded): LPT's makespan and the optimum by brute force, as in Solution 1.
-# answer_14_1: (LPT's makespan, the optimal makespan) for costs (5, 5, 4, 4, 3, 3, 3) on d = 3
+# Solution 1 (graded): LPT's makespan and the optimum by brute force, as above.
+# answer_14_1: (LPT's makespan, optimal makespan), costs (5, 5, 4, 4, 3, 3, 3), d = 3
 import itertools
 
 from optbook.distributed.assignment import lpt_assign, rank_loads
 
 costs = [5, 5, 4, 4, 3, 3, 3]
+every = itertools.product(range(3), repeat=len(costs))
 answer_14_1 = (
     max(rank_loads(costs, lpt_assign(costs, 3), 3)),
-    min(max(rank_loads(costs, list(a), 3)) for a in itertools.product(range(3), repeat=7)),
+    min(max(rank_loads(costs, list(a), 3)) for a in every),
 )
 """
 COSTS = [5, 5, 4, 4, 3, 3, 3]

@@ -9,8 +9,9 @@ OK_FORMAT = False
 name = "Exercise 14b.1"
 ANCHOR = "### Exercise 14b.1"
 SOLUTION = """\
-# Solution 14b.1 (graded): shards of ceil(10 / 3) = 4 rows, 12 columns, 8 bytes; two come in.
-# answer_14b_1: bytes the owner of the 10 x 12 float64 weight receives at 3 ranks (an int)
+# Solution 14b.1 (graded): shards of ceil(10 / 3) = 4 rows of 12 float64 values;
+# the owner receives the two shards it does not hold.
+# answer_14b_1: bytes the owner of the 10 x 12 weight receives at 3 ranks (an int)
 import math
 
 answer_14b_1 = (3 - 1) * math.ceil(10 / 3) * 12 * 8

@@ -9,11 +9,13 @@ OK_FORMAT = False
 name = "Exercise 15b.2"
 ANCHOR = "### Exercise 15b.2"
 SOLUTION = """\
-# Solution 15b.2 (graded): the band of the schedule built for 1e-2, for 3, 4 and 5 steps.
+# Solution 15b.2 (graded): the band of the schedule built for 1e-2, for k steps.
 # answer_15b_2: the smallest number of steps (an int)
 from optbook.polar import polar_express_band
 
-answer_15b_2 = next(k for k in range(1, 10) if 1 - polar_express_band(k, 1e-2)[0] <= 0.02)
+answer_15b_2 = next(
+    k for k in range(1, 10) if 1 - polar_express_band(k, 1e-2)[0] <= 0.02
+)
 """
 
 

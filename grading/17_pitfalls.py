@@ -9,9 +9,10 @@ OK_FORMAT = False
 name = "Exercise 17.1"
 ANCHOR = "Tied weights across ranks"
 SOLUTION = """\
-# Solution 1 (graded): [3, 4] counted once, sqrt(9 + 16 + 144 + 0) = 13, and twice, sqrt(194).
+# Solution 1 (graded): [3, 4] counted once, sqrt(9 + 16 + 144 + 0) = 13, and twice,
+# sqrt(2 (9 + 16) + 144) = sqrt(194).
 # answer_17_1: (the global norm, the norm with the replicated gradient counted twice)
-answer_17_1 = (math.sqrt(3**2 + 4**2 + 12**2 + 0**2), math.sqrt(2 * (3**2 + 4**2) + 12**2))
+answer_17_1 = (math.sqrt(9 + 16 + 144 + 0), math.sqrt(2 * (9 + 16) + 144))
 """
 
 

@@ -10,7 +10,7 @@ name = "Exercise 18.2"
 ANCHOR = "### Exercise 18.2"
 SOLUTION = """\
 # Solution 18.2 (graded): (m + n) r = m n.
-# answer_18_2: (break-even rank for 4096 x 4096, for 4096 x 16384), two numbers (r may be fractional)
+# answer_18_2: (break-even rank of 4096 x 4096, of 4096 x 16384), r may be fractional
 answer_18_2 = tuple(m * n / (m + n) for m, n in ((4096, 4096), (4096, 16384)))
 """
 

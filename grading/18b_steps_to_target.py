@@ -9,13 +9,16 @@ OK_FORMAT = False
 name = "Exercise 18b.1"
 ANCHOR = "### Exercise 18b.1"
 SOLUTION = """\
-# Solution 18b.1 (graded): U = 0, z = -(n^2/2 - 1/2) / sqrt(n^2 (2n + 1) / 12), p = Phi(z).
+# Solution 18b.1 (graded): U = 0, z = -(n^2/2 - 1/2) / sqrt(n^2 (2n + 1) / 12),
+# p = Phi(z).
 # answer_18b_1: (smallest p with 10 seeds each, fewest seeds each below 0.01 / 9)
-def _p(n):
-    return 0.5 * math.erfc((n * n / 2 - 0.5) / math.sqrt(n * n * (2 * n + 1) / 12) / math.sqrt(2))
+def smallest_p(n):
+    z = (n * n / 2 - 0.5) / math.sqrt(n * n * (2 * n + 1) / 12)
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-answer_18b_1 = (_p(10), next(n for n in range(2, 50) if _p(n) < 0.01 / 9))
+fewest = next(n for n in range(2, 50) if smallest_p(n) < 0.01 / 9)
+answer_18b_1 = (smallest_p(10), fewest)
 """
 
 

@@ -10,7 +10,7 @@ name = "Exercise 19.1"
 ANCHOR = "### Exercise 19.1"
 SOLUTION = """\
 # Solution 19.1 (graded): (target - mean) sqrt(n) >= 3.09 sigma.
-# answer_19_1: how far below the target the mean of n = 10 runs must be at sigma = 0.01 nats
+# answer_19_1: how far below the target the mean of 10 runs must be, sigma = 0.01 nats
 answer_19_1 = 3.09 * 0.01 / math.sqrt(10)
 """
 

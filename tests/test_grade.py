@@ -43,6 +43,22 @@ def test_every_chapter_with_exercises_is_graded():
     assert with_exercises == set(GRADED), (sorted(with_exercises - set(GRADED)), sorted(set(GRADED) - with_exercises))
 
 
+def test_teachers_table_is_current():
+    """book/teachers_guide.md includes grading/teachers_table.md: regenerated from _toc.yml, the recorded run
+    times and grading/ (`python tools/grade.py --teachers-table`), so it cannot go stale."""
+    assert grade.TABLE.read_text(encoding="utf-8") == grade.teachers_table()
+    runtimes = json.loads((ROOT / "book" / "runtimes.json").read_text(encoding="utf-8"))
+    row = next(line for line in grade.teachers_table().splitlines() if "`02_adam`" in line)
+    assert f"| {runtimes['02_adam']['seconds']:.0f} s |" in row and "`answer_2_2`" in row and "| 01 |" in row
+
+
+def test_student_copy_has_the_table_but_not_the_checks(tmp_path):
+    out = tmp_path / "src"
+    student_build.build(out)
+    assert (out / "grading" / "teachers_table.md").is_file() and (out / "book" / "teachers_guide.md").is_file()
+    assert not list((out / "grading").glob("*.py"))
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_solution_cell_has_a_place_and_a_stub(path):
     """The solution cell goes after an existing cell of its chapter, and the student build turns it into

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "records" / "capstone.json").read_text(encoding="utf-8"))
 
 
-def close(a, b, rel=5e-6):  # specs keep 6 significant digits
+def close(a, b, rel=5e-4):  # specs keep 4 significant digits
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
@@ -82,7 +82,7 @@ def test_newton_schulz_spec_is_the_scalar_iteration():
             for a, b, c in (ns_schedule(name, steps=k) if k else []):
                 x = a * x + b * x**3 + c * x**5
             want = x.abs().sort(descending=True).values.tolist()
-            assert all(close(a, b, rel=1e-5) for a, b in zip(series["y"], want)), (k, name)
+            assert all(close(a, b) for a, b in zip(series["y"], want)), (k, name)
     assert spec["slider"]["values"] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="spectrum"):
         interactive.newton_schulz_spec([1.0, 0.0])
@@ -110,7 +110,7 @@ def test_dion_spec_is_dion_against_muon():
     for f, frame in zip((0.25, 1.0), spec["frames"]):
         dion = first_update(Dion, rank_fraction=f, seed=0)
         cos = float((dion * muon).sum() / (dion.norm() * muon.norm()))
-        assert close(frame["series"][0]["y"][0], cos, rel=1e-5), f
+        assert close(frame["series"][0]["y"][0], cos), f
         r = dion_rank((12, 16), f)
         assert f"r = {r}:" in frame["note"] and f"{r * 28 / 192:.2f}" in frame["note"]
     low, full = (frame["series"][0]["y"] for frame in spec["frames"])

@@ -48,7 +48,8 @@ OUT = ROOT / "_build" / "student" / "src"
 BRANCH = "student"  # the repository branch that holds the student notebooks (see the docstring)
 MARKER = "_student.json"
 COPY = ["_config.yml", "_toc.yml", "_static", "_ext",
-        "tests/conformance_table.md"]  # included by book/appendix_conformance.md
+        "tests/conformance_table.md",  # included by book/appendix_conformance.md
+        "grading/teachers_table.md"]   # included by book/teachers_guide.md (the checks in grading/ stay behind)
 
 # A fenced MyST admonition titled Solution, with a colon fence of 3+ colons, up to its closing fence.
 ADMONITION_RE = re.compile(r"(?ms)^(?P<fence>:{3,})\{admonition\}\s*Solutions?\b.*?^(?P=fence)[ \t]*\n?")

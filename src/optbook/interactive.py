@@ -34,7 +34,7 @@ __all__ = ["PALETTE", "capstone_spec", "check_spec", "dion_spec", "html", "memor
 
 #: Colours of the curves and bar segments (matplotlib's tab10, as :mod:`optbook.plotting`).
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-_ROUND = 6   # significant digits kept in a spec (the drawing cannot show more; keeps pages small)
+_ROUND = 4   # significant digits kept in a spec (the drawing cannot show more; stable across CPU kernels)
 
 
 def _r(value: float) -> float | None:
@@ -323,12 +323,12 @@ def dion_spec(shape: tuple[int, int] = (48, 64), rank_fractions: Sequence[float]
 
 # --- the capstone's loss curves (chapter 19) ---------------------------------------------------------------
 
-def capstone_spec(record: dict | str | Path | None = None) -> dict:
+def capstone_spec(record: dict | str | Path | None = None, colors: dict | None = None) -> dict:
     """Validation loss against step for each optimizer of chapter 19's table, one seed per slider value,
     with the target loss; from ``records/capstone.json`` (``make capstone``) or the ``record`` given.
 
     The readout gives each optimizer's steps to the target on that seed (the first evaluation at or
-    below it), as the table counts them.
+    below it), as the table counts them. ``colors``: a colour per optimizer name (default :data:`PALETTE`).
 
     Raises:
         FileNotFoundError: no record file. ValueError: a record without ``curves``, ``table_seeds`` or
@@ -351,7 +351,8 @@ def capstone_spec(record: dict | str | Path | None = None) -> dict:
         for i, name in enumerate(names):
             pts = curves[name][j]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            series.append({"name": name, "x": xs, "y": [_r(y) for y in ys], "color": PALETTE[i],
+            color = (colors or {}).get(name, PALETTE[i % len(PALETTE)])
+            series.append({"name": name, "x": xs, "y": [_r(y) for y in ys], "color": color,
                            "dash": i % 2 == 1})
             hit = next((x for x, y in zip(xs, ys) if y <= target), None)
             reached.append(f"{name} {hit if hit is not None else '-'}")
