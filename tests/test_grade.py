@@ -104,7 +104,7 @@ def test_checks_pass_the_solution_and_fail_the_blank(path):
     assert tests.score == 0, [r.message for r in tests.test_case_results if r.passed]
 
 
-@pytest.mark.parametrize("chapter", ["05_newton_schulz"])
+@pytest.mark.parametrize("chapter", ["05_newton_schulz", "10_anatomy_of_a_step"])
 def test_grader_end_to_end(tmp_path, chapter):
     """tools/grade.py (what `make grade` runs) on the chapter with its solution cell: full marks; on the
     student build of it: fewer (none)."""

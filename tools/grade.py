@@ -292,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.notebooks:
         parser.error("give the notebooks to grade")
-    results = []
+    results, failed = [], 0
     for nb in args.notebooks:
         try:
             result = grade(nb, args.chapter)
-        except (FileNotFoundError, ValueError, ImportError) as e:
-            print(f"{nb}: not graded: {e}", file=sys.stderr)
+        except ImportError as e:
+            print(f"not graded: {e}", file=sys.stderr)
             return 2
+        except (FileNotFoundError, ValueError) as e:   # this notebook only: the others are graded
+            print(f"{nb}: not graded: {e}", file=sys.stderr)
+            failed += 1
+            continue
         print(report(result), flush=True)
         results.append(result)
     if args.json:
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_name = {e["name"]: e["score"] for e in r["exercises"]}
                 writer.writerow([r["notebook"], r["chapter"], r["score"], r["possible"]]
                                 + [by_name.get(n, "") for n in names])
-    return 0
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":
