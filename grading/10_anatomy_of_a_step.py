@@ -23,6 +23,7 @@ def answer_10_3(k, tau):
 def total_norm(answer_10_3):
     import torch
     from optbook.clipping import clip_grad_norm_, get_grad_norm
+    assert answer_10_3 is not ... and answer_10_3 is not None, "answer_10_3 is not filled in yet"
     assert callable(answer_10_3), "answer_10_3 should be a function (k, tau) -> total norm"
     gen = torch.Generator().manual_seed(0)
     for k, tau in [(1, 1.0), (2, 0.5), (4, 1.0), (7, 3.0)]:
