@@ -10,7 +10,8 @@ with the JSON
                "note": str}, ...],                             (one frame per slider value)
    "fixed": [series drawn in every frame]}
 and this script draws it as an SVG with a range input; moving the slider redraws the curves of that
-frame. A series may have its own "x", and "markers": true draws its points as dots joined by a thin line.
+frame. A series may have its own "x", and "markers": true draws its points as dots without a line (for a
+category on the x axis; hollow dots when "dash" is set).
 With "kind": "bars" the figure is horizontal stacked bars instead:
   {"kind": "bars", "title": str, "xlabel": str, "xlim": [0, hi],
    "parts": [{"name": str, "color": "#rrggbb"}, ...],            (the segments of every bar, in order)
@@ -85,11 +86,12 @@ The specs are built by optbook.interactive (src/optbook/interactive.py), which c
   }
 
   // Horizontal stacked bars: one row per bar name, its segments the spec's parts; the names sit left of
-  // the bars (set narrower when longer than the margin), the parts' legend under the plot.
+  // the bars (set narrower when longer than the margin), or above them on a narrow screen; the parts'
+  // legend under the plot.
   function drawBars(fig, spec, index, svg) {
     var frame = spec.frames[index], bars = frame.bars, parts = spec.parts;
     W = Math.round(Math.max(340, Math.min(640, fig.clientWidth || 640)));
-    var left = Math.round(Math.min(180, W * 0.36)), rowH = 30;
+    var narrow = W < 480, left = narrow ? 16 : Math.round(Math.min(180, W * 0.36)), rowH = narrow ? 44 : 30;
     var columns = W < 480 ? 1 : 2, legendRows = Math.ceil(parts.length / columns);
     H = M.t + rowH * bars.length + 12 + M.b;
     svg.setAttribute("viewBox", "0 0 " + W + " " + (H + 18 * legendRows));
@@ -110,24 +112,27 @@ The specs are built by optbook.interactive (src/optbook/interactive.py), which c
     fitTitle(title);
     var plot = el("g", {}, svg);
     bars.forEach(function (bar, i) {
-      var y = top + 6 + rowH * i, x = sx(0), total = 0;
+      var row = top + 6 + rowH * i, y = narrow ? row + 16 : row, barH = narrow ? rowH - 22 : rowH - 8;
+      var x = sx(0), total = 0;
       bar.values.forEach(function (v, j) {
         if (!(v > 0)) return;
         var w = Math.max(0, Math.min(sx(total + v), W - M.r) - Math.min(sx(total), W - M.r));
-        el("rect", {x: Math.min(sx(total), W - M.r), y: y, width: w, height: rowH - 8, fill: parts[j].color},
+        el("rect", {x: Math.min(sx(total), W - M.r), y: y, width: w, height: barH, fill: parts[j].color},
            plot);
         total += v;
       });
       x = Math.min(sx(total), W - M.r - 4);
-      var name = el("text", {x: left - 6, y: y + rowH / 2, "text-anchor": "end"}, axes);
+      var name = narrow ? el("text", {x: left + 2, y: row + 12}, axes)
+                        : el("text", {x: left - 6, y: y + barH / 2 + 5, "text-anchor": "end"}, axes);
       name.textContent = bar.name;
+      var room = narrow ? W - M.r - left - 4 : left - 10;
       try {
-        if (name.getComputedTextLength() > left - 10) {
-          name.setAttribute("textLength", left - 10);
+        if (name.getComputedTextLength() > room) {
+          name.setAttribute("textLength", room);
           name.setAttribute("lengthAdjust", "spacingAndGlyphs");
         }
       } catch (e) { /* not laid out */ }
-      var sum = el("text", {x: x + 4, y: y + rowH / 2, "font-size": 12}, plot);
+      var sum = el("text", {x: x + 4, y: y + barH / 2 + 4, "font-size": 12}, plot);
       sum.textContent = String(+total.toPrecision(3));
       try {  // the total's label goes inside the bar's end when it would cross the right edge
         if (x + 4 + sum.getComputedTextLength() > W - M.r - 2) {
@@ -190,17 +195,24 @@ The specs are built by optbook.interactive (src/optbook/interactive.py), which c
           pts.push(sx(xs[j]).toFixed(1) + "," + sy(y).toFixed(1));
         }
       });
-      el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000",
-                      "stroke-width": s.markers ? 1 : 2, "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
-      if (s.markers) {
+      if (s.markers) {  // points only (a category on the x axis, e.g. attention heads): no line between them
         pts.forEach(function (p) {
           var xy = p.split(",");
-          el("circle", {cx: xy[0], cy: xy[1], r: 4, fill: s.color || "#000"}, plot);
+          el("circle", {cx: xy[0], cy: xy[1], r: s.dash ? 3 : 4.5, fill: s.dash ? "#fff" : s.color || "#000",
+                        stroke: s.color || "#000", "stroke-width": 2}, plot);
         });
+      } else {
+        el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000", "stroke-width": 2,
+                        "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
       }
       var lx = M.l + (i % columns) * (W - M.l) / 2, ly = H + 4 + 18 * Math.floor(i / columns);
-      el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
-                  "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
+      if (s.markers) {
+        el("circle", {cx: lx + 14, cy: ly, r: s.dash ? 3 : 4.5, fill: s.dash ? "#fff" : s.color || "#000",
+                      stroke: s.color || "#000", "stroke-width": 2}, axes);
+      } else {
+        el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
+                    "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
+      }
       el("text", {x: lx + 34, y: ly + 4}, axes).textContent = s.name;
     });
     fig.querySelector(".readout").textContent = spec.slider.label + " = " + spec.slider.values[index] +

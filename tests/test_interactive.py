@@ -32,8 +32,9 @@ def close(a, b, rel=5e-4):  # specs keep 4 significant digits
 def test_memory_spec_is_the_ledger():
     spec = interactive.memory_spec(7e9, dps=(1, 8, 64))
     parts = [p["name"] for p in spec["parts"]]
-    assert parts == ["parameters", "gradients", "float32 masters", "float32 main gradients", "optimizer state"]
-    rows = ("params", "grads", "master", "main_grads", "state")
+    # bfloat16 parameters with float32 gradients: no main-gradient copy, so that part is left out
+    assert parts == ["parameters", "gradients", "float32 masters", "optimizer state"]
+    rows = ("params", "grads", "master", "state")
     for d, frame in zip((1, 8, 64), spec["frames"]):
         for (name, setup), bar in zip(interactive.MEMORY_SETUPS, frame["bars"]):
             book = ledger(7e9, dp=d, **setup)
@@ -43,7 +44,11 @@ def test_memory_spec_is_the_ledger():
     replicated, zero1 = spec["frames"][2]["bars"][:2]
     assert close(sum(replicated["values"]), 18 * 7, rel=1e-5) and close(sum(zero1["values"]), (6 + 12 / 64) * 7, rel=1e-5)
     offloaded = spec["frames"][2]["bars"][2]["values"]
-    assert offloaded[2:] == [0, 0, 0]           # master, main gradients and state live on the host
+    assert offloaded[2:] == [0, 0]              # masters and state live on the host
+    fp16 = interactive.memory_spec(7e9, dps=(1, 8), param_dtype=torch.float16, grad_dtype=torch.float16)
+    assert "float32 main gradients" in [p["name"] for p in fp16["parts"]]
+    assert close(fp16["frames"][1]["bars"][1]["values"][3], ledger(7e9, dp=8, optimizer="adamw", sharding="zero1",
+                 param_dtype=torch.float16, grad_dtype=torch.float16)["main_grads"].device_bytes / 1e9)
     with pytest.raises(ValueError, match="params"):
         interactive.memory_spec(0)
 
@@ -114,6 +119,7 @@ def test_dion_spec_is_dion_against_muon():
         assert f"r = {r}:" in frame["note"] and f"{r * 28 / 192:.2f}" in frame["note"]
     low, full = (frame["series"][0]["y"] for frame in spec["frames"])
     assert all(a < b for a, b in zip(low, full))     # a quarter of the rank captures less of Muon's direction
+    assert spec["fixed"][0]["y"] == full             # full rank, drawn in every frame
     with pytest.raises(ValueError, match="decay"):
         interactive.dion_spec(decay=0.0)
 

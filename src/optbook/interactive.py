@@ -10,7 +10,7 @@ Two kinds (``spec["kind"]``; see the header of ``_static/interactive.js`` for ev
 
 * ``"lines"`` (the default): curves over a shared ``x`` (or a series' own ``"x"``), one frame of curves
   per slider value, ``"fixed"`` curves in every frame; a series with ``"markers": true`` is drawn as
-  points joined by a thin line.
+  points without a line (a category on the x axis, such as attention heads; hollow with ``"dash"``).
 * ``"bars"``: horizontal stacked bars, one per row name, their segments named by ``"parts"``.
 
 Builders: :func:`memory_spec` (ZeRO-1 / layer-wise sharding, chapter 16), :func:`qk_clip_spec` (QK-clip at a
@@ -131,7 +131,7 @@ def memory_spec(params: float = 7e9, dps: Sequence[int] = (1, 2, 4, 8, 16, 32, 6
     """Device memory per rank by component, for each setup, with the data-parallel ranks on the slider.
 
     Every number is ``optbook.memory.ledger(params, dp=d, **setup, **options)[part].device_bytes / 1e9``
-    (GB; host-offloaded bytes are not on the device). ``options``: other ledger fields for every setup
+    (GB; host-offloaded bytes are not on the device); a part that is zero everywhere is left out. ``options``: other ledger fields for every setup
     (``param_dtype``, ``grad_dtype``, ``tp``, ...).
 
     Raises:
@@ -153,10 +153,15 @@ def memory_spec(params: float = 7e9, dps: Sequence[int] = (1, 2, 4, 8, 16, 32, 6
             top = max(top, book.device_bytes / 1e9)
         best = min(bars, key=lambda b: sum(b["values"]))
         frames.append({"bars": bars, "note": f"least: {best['name']} ({sum(best['values']):.1f} GB)"})
+    # a component that no set-up holds at any d (float32 main gradients with float32 gradients) is left out
+    used = [j for j in range(len(_MEMORY_PARTS)) if any(b["values"][j] for f in frames for b in f["bars"])]
+    for f in frames:
+        for b in f["bars"]:
+            b["values"] = [b["values"][j] for j in used]
     return check_spec({
         "kind": "bars", "title": f"Device memory per rank, {params / 1e9:g}B parameters",
         "xlabel": "GB per rank (device)", "xlim": [0, _r(top * 1.05)],
-        "parts": [{"name": label, "color": PALETTE[i]} for i, (_, label) in enumerate(_MEMORY_PARTS)],
+        "parts": [{"name": _MEMORY_PARTS[j][1], "color": PALETTE[j]} for j in used],
         "slider": _slider("data-parallel ranks d", dps, min(initial, len(dps) - 1)), "frames": frames})
 
 
@@ -272,7 +277,7 @@ def dion_spec(shape: tuple[int, int] = (48, 64), rank_fractions: Sequence[float]
     ``V``, fresh noise of size 0.1 per step, ``seed``): ``optbook.optim.Dion(rank_fraction=f)`` and
     ``optbook.optim.Muon`` with ``scale_mode="none"``, float64, ``lr = 1``, the same ``momentum``. The
     readout gives the bytes Dion exchanges per step relative to the matrix, ``r (m + n) / (m n)``
-    (``r = optbook.optim.dion.dion_rank(shape, f)``).
+    (``r = optbook.optim.dion.dion_rank(shape, f)``). Dion at full rank is drawn in every frame.
 
     Raises:
         ValueError: ``steps < 1``, ``decay`` outside ``(0, 1]``; what ``Dion``/``Muon`` raise.
@@ -306,17 +311,19 @@ def dion_spec(shape: tuple[int, int] = (48, 64), rank_fractions: Sequence[float]
     muon = updates(lambda p: Muon(p, lr=1.0, momentum=momentum, nesterov=False, scale_mode="none",
                                   ns_dtype=torch.float64))
     t = list(range(1, int(steps) + 1))
-    frames = []
-    for i, f in enumerate(rank_fractions):
+    frames, curves = [], {}
+    for f in sorted(set(rank_fractions) | {1.0}):
         dion = updates(lambda p: Dion(p, lr=1.0, momentum=momentum, rank_fraction=f, seed=seed))
-        cos = [float((a * b).sum() / (a.norm() * b.norm())) for a, b in zip(dion, muon)]
+        curves[f] = [_r(float((a * b).sum() / (a.norm() * b.norm()))) for a, b in zip(dion, muon)]
+    for f in rank_fractions:
         r = dion_rank(shape, f)
-        frames.append({"series": [{"name": f"Dion, r = {r}", "y": [_r(c) for c in cos], "color": PALETTE[1]}],
+        frames.append({"series": [{"name": f"Dion, r = {r}", "y": curves[f], "color": PALETTE[1]}],
                        "note": f"r = {r}: exchanges {r * (m + n) / (m * n):.2f} of the matrix per step"})
     return check_spec({
         "title": f"Dion's update against Muon's ({m} x {n} matrix)", "xlabel": "step",
         "ylabel": "cosine with Muon's update", "xlog": False, "ylog": False, "xlim": [1, int(steps)],
-        "ylim": [0, 1.05], "x": t, "fixed": [],
+        "ylim": [0, 1.05], "x": t,
+        "fixed": [{"name": f"Dion, full rank r = {k}", "y": curves[1.0], "color": "#7f7f7f", "dash": True}],
         "slider": _slider("rank fraction r / min(m, n)", [_r(f) for f in rank_fractions], len(rank_fractions) // 2),
         "frames": frames})
 
