@@ -123,3 +123,30 @@ def test_grader_end_to_end(tmp_path, chapter):
     assert solved["possible"] > 0 and solved["score"] == solved["possible"], run.stdout
     assert unsolved["possible"] == solved["possible"] and unsolved["score"] < solved["possible"], run.stdout
     assert unsolved["score"] == 0 and "not filled in" in run.stdout
+
+
+def test_notebook_edits_apply_once(tmp_path):
+    """tools/apply_notebook_edits.py finds the place of every graded solution cell and every figure in
+    the book, inserts each once (a second run changes nothing), and the student build turns each graded
+    cell into its answer cell; grading/NOTEBOOK_EDITS.md is what the tool prints."""
+    edits = _load("apply_notebook_edits")
+    chapters = sorted(set(GRADED) | {f["chapter"] for f in edits.figures()})
+    paths = []
+    for chapter in chapters:
+        (tmp_path / f"{chapter}.ipynb").write_bytes((ROOT / "book" / f"{chapter}.ipynb").read_bytes())
+        paths.append(tmp_path / f"{chapter}.ipynb")
+    assert edits.main([str(p) for p in paths]) == 0
+    first = {p: p.read_bytes() for p in paths}
+    assert edits.main(["--check"] + [str(p) for p in paths]) == 0
+    assert edits.main([str(p) for p in paths]) == 0 and {p: p.read_bytes() for p in paths} == first
+    for path in paths:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        names = {f["name"] for f in edits.figures() if f["chapter"] == path.stem}
+        cells = [c for c in nb["cells"] if c["metadata"].get("mystnb", {}).get("figure", {}).get("name") in names]
+        assert len(cells) == len(names) and all(c["metadata"]["tags"] == ["remove-input"] for c in cells)
+        assert all("Try it:" in c["metadata"]["mystnb"]["figure"]["caption"] for c in cells)
+        student, _ = student_build.strip_notebook(nb)
+        stubs = [n for c in student["cells"] if "graded-answer" in c["metadata"].get("tags", [])
+                 for n in student_build.graded_answers("".join(c["source"]))]
+        assert stubs == [n for f in grade.test_files(path.stem) for n in grade.spec(f)["answers"]]
+    assert (ROOT / "grading" / "NOTEBOOK_EDITS.md").read_text(encoding="utf-8") == edits.markdown() + "\n"
