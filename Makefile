@@ -27,7 +27,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: capstone conformance gpu-check setup python-version torch-cuda torch-cpu lab book student pdf pdf-numbers test site-test nbval portability notebooks bench \
+.PHONY: capstone conformance grade gpu-check setup python-version torch-cuda torch-cpu lab book student pdf pdf-numbers test site-test nbval portability notebooks bench \
         sweep clean
 
 INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(TORCH)" --index "$(TORCH_INDEX)"
@@ -76,6 +76,17 @@ lab: setup $(VENV)/.lab
 
 $(VENV)/.lab: $(VENV)/.installed pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
+	touch $@
+
+# Grade students' copies of chapters (tools/grade.py, otter-grader): make grade NB=submissions/alice_02_adam.ipynb
+# (several files or a glob grade a class; CHAPTER=02_adam when the file names do not contain the chapter).
+# Prints each graded exercise's score with feedback; otter-grader (the `grade` extra) is installed on first use.
+CHAPTER ?=
+grade: setup $(VENV)/.grade
+	$(RUN) $(BIN)/python tools/grade.py $(if $(CHAPTER),--chapter $(CHAPTER)) $(NB)
+
+$(VENV)/.grade: $(VENV)/.installed pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[grade]"
 	touch $@
 
 # Builds the HTML from the notebooks' stored outputs (fast; no kernel difference can fail it). Any Sphinx

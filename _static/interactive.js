@@ -10,7 +10,16 @@ with the JSON
                "note": str}, ...],                             (one frame per slider value)
    "fixed": [series drawn in every frame]}
 and this script draws it as an SVG with a range input; moving the slider redraws the curves of that
-frame. The legend sits under the plot, clear of the data. Printing (the PDF) shows the initial frame.
+frame. A series may have its own "x", and "markers": true draws its points as dots without a line (for a
+category on the x axis; hollow dots when "dash" is set).
+With "kind": "bars" the figure is horizontal stacked bars instead:
+  {"kind": "bars", "title": str, "xlabel": str, "xlim": [0, hi],
+   "parts": [{"name": str, "color": "#rrggbb"}, ...],            (the segments of every bar, in order)
+   "slider": {...},
+   "frames": [{"bars": [{"name": str, "values": [one per part]}], "note": str}, ...]}
+The legend sits under the plot, clear of the data. Printing (the PDF) shows the initial frame. The
+slider is a native range input: arrow keys, Page Up/Down, Home and End move it, and so does a finger.
+The specs are built by optbook.interactive (src/optbook/interactive.py), which checks them.
 */
 (function () {
   "use strict";
@@ -67,9 +76,85 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
     else if (box.x < 1) text.setAttribute("x", x + 1 - box.x);
   }
 
+  function fitTitle(title) {
+    try {  // a title longer than the drawing is set narrower
+      if (title.getComputedTextLength() > W - 8) {
+        title.setAttribute("textLength", W - 8);
+        title.setAttribute("lengthAdjust", "spacingAndGlyphs");
+      }
+    } catch (e) { /* not laid out (hidden): drawn again when shown */ }
+  }
+
+  // Horizontal stacked bars: one row per bar name, its segments the spec's parts; the names sit left of
+  // the bars (set narrower when longer than the margin), or above them on a narrow screen; the parts'
+  // legend under the plot.
+  function drawBars(fig, spec, index, svg) {
+    var frame = spec.frames[index], bars = frame.bars, parts = spec.parts;
+    W = Math.round(Math.max(340, Math.min(640, fig.clientWidth || 640)));
+    var narrow = W < 480, left = narrow ? 16 : Math.round(Math.min(180, W * 0.36)), rowH = narrow ? 44 : 30;
+    var columns = W < 480 ? 1 : 2, legendRows = Math.ceil(parts.length / columns);
+    H = M.t + rowH * bars.length + 12 + M.b;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + (H + 18 * legendRows));
+    var sx = scale(spec.xlim, false, left, W - M.r);
+    var axes = el("g", {"font-size": 13, "font-family": "sans-serif", fill: "#222"}, svg);
+    var top = M.t, bottom = M.t + rowH * bars.length + 12;
+    el("rect", {x: left, y: top, width: W - M.r - left, height: bottom - top, fill: "none", stroke: "#444"}, axes);
+    ticks(spec.xlim, false).forEach(function (v) {
+      var x = sx(v);
+      el("line", {x1: x, x2: x, y1: top, y2: bottom, stroke: "#ddd"}, axes);
+      var tick = el("text", {x: x, y: bottom + 16, "text-anchor": "middle"}, axes);
+      tick.textContent = label(v, false);
+      keepInside(tick);
+    });
+    el("text", {x: (left + W - M.r) / 2, y: bottom + 36, "text-anchor": "middle"}, axes).textContent = spec.xlabel;
+    var title = el("text", {x: W / 2, y: 18, "text-anchor": "middle", "font-weight": "bold"}, axes);
+    title.textContent = spec.title;
+    fitTitle(title);
+    var plot = el("g", {}, svg);
+    bars.forEach(function (bar, i) {
+      var row = top + 6 + rowH * i, y = narrow ? row + 16 : row, barH = narrow ? rowH - 22 : rowH - 8;
+      var x = sx(0), total = 0;
+      bar.values.forEach(function (v, j) {
+        if (!(v > 0)) return;
+        var w = Math.max(0, Math.min(sx(total + v), W - M.r) - Math.min(sx(total), W - M.r));
+        el("rect", {x: Math.min(sx(total), W - M.r), y: y, width: w, height: barH, fill: parts[j].color},
+           plot);
+        total += v;
+      });
+      x = Math.min(sx(total), W - M.r - 4);
+      var name = narrow ? el("text", {x: left + 2, y: row + 12}, axes)
+                        : el("text", {x: left - 6, y: y + barH / 2 + 5, "text-anchor": "end"}, axes);
+      name.textContent = bar.name;
+      var room = narrow ? W - M.r - left - 4 : left - 10;
+      try {
+        if (name.getComputedTextLength() > room) {
+          name.setAttribute("textLength", room);
+          name.setAttribute("lengthAdjust", "spacingAndGlyphs");
+        }
+      } catch (e) { /* not laid out */ }
+      var sum = el("text", {x: x + 4, y: y + barH / 2 + 4, "font-size": 12}, plot);
+      sum.textContent = String(+total.toPrecision(3));
+      try {  // the total's label goes inside the bar's end when it would cross the right edge
+        if (x + 4 + sum.getComputedTextLength() > W - M.r - 2) {
+          sum.setAttribute("x", x - 4);
+          sum.setAttribute("text-anchor", "end");
+          sum.setAttribute("fill", "#fff");
+        }
+      } catch (e) { /* not laid out */ }
+    });
+    parts.forEach(function (part, i) {
+      var lx = M.l / 2 + (i % columns) * (W - M.l / 2) / 2, ly = H + 4 + 18 * Math.floor(i / columns);
+      el("rect", {x: lx, y: ly - 6, width: 22, height: 12, fill: part.color}, axes);
+      el("text", {x: lx + 28, y: ly + 4}, axes).textContent = part.name;
+    });
+    fig.querySelector(".readout").textContent = spec.slider.label + " = " + spec.slider.values[index] +
+      (frame.note ? "; " + frame.note : "");
+  }
+
   function draw(fig, spec, index) {
     var svg = fig.querySelector("svg");
     while (svg.firstChild) svg.removeChild(svg.firstChild);
+    if (spec.kind === "bars") { drawBars(fig, spec, index, svg); return; }
     var frame = spec.frames[index];
     var series = (spec.fixed || []).concat(frame.series);
     W = Math.round(Math.max(340, Math.min(640, fig.clientWidth || 640)));
@@ -98,12 +183,7 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
                 transform: "rotate(-90 14 " + (M.t + H - M.b) / 2 + ")"}, axes).textContent = spec.ylabel;
     var title = el("text", {x: W / 2, y: 18, "text-anchor": "middle", "font-weight": "bold"}, axes);
     title.textContent = spec.title;
-    try {  // a title longer than the drawing is set narrower
-      if (title.getComputedTextLength() > W - 8) {
-        title.setAttribute("textLength", W - 8);
-        title.setAttribute("lengthAdjust", "spacingAndGlyphs");
-      }
-    } catch (e) { /* not laid out (hidden): drawn again when shown */ }
+    fitTitle(title);
     var clip = "clip" + Math.random().toString(36).slice(2);
     var defs = el("defs", {}, svg);
     el("rect", {x: M.l, y: M.t, width: W - M.l - M.r, height: H - M.t - M.b}, el("clipPath", {id: clip}, defs));
@@ -115,11 +195,24 @@ frame. The legend sits under the plot, clear of the data. Printing (the PDF) sho
           pts.push(sx(xs[j]).toFixed(1) + "," + sy(y).toFixed(1));
         }
       });
-      el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000", "stroke-width": 2,
-                      "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
+      if (s.markers) {  // points only (a category on the x axis, e.g. attention heads): no line between them
+        pts.forEach(function (p) {
+          var xy = p.split(",");
+          el("circle", {cx: xy[0], cy: xy[1], r: s.dash ? 3 : 4.5, fill: s.dash ? "#fff" : s.color || "#000",
+                        stroke: s.color || "#000", "stroke-width": 2}, plot);
+        });
+      } else {
+        el("polyline", {points: pts.join(" "), fill: "none", stroke: s.color || "#000", "stroke-width": 2,
+                        "stroke-dasharray": s.dash ? "6 4" : "none"}, plot);
+      }
       var lx = M.l + (i % columns) * (W - M.l) / 2, ly = H + 4 + 18 * Math.floor(i / columns);
-      el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
-                  "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
+      if (s.markers) {
+        el("circle", {cx: lx + 14, cy: ly, r: s.dash ? 3 : 4.5, fill: s.dash ? "#fff" : s.color || "#000",
+                      stroke: s.color || "#000", "stroke-width": 2}, axes);
+      } else {
+        el("line", {x1: lx, x2: lx + 28, y1: ly, y2: ly, stroke: s.color || "#000", "stroke-width": 2,
+                    "stroke-dasharray": s.dash ? "6 4" : "none"}, axes);
+      }
       el("text", {x: lx + 34, y: ly + 4}, axes).textContent = s.name;
     });
     fig.querySelector(".readout").textContent = spec.slider.label + " = " + spec.slider.values[index] +

@@ -31,9 +31,32 @@ def test_solutions_go_and_exercises_stay(path):
     assert re.findall(r"(?m)^#+ .*$", md) == re.findall(r"(?m)^#+ .*$", text(nb, "markdown"))
     kept = [c for c in nb["cells"] if c["cell_type"] == "code"
             and not student_build._first_line("".join(c["source"])).startswith(student_build.CODE_MARKERS)]
-    assert [c for c in student["cells"] if c["cell_type"] == "code"] == kept
+    # A removed solution that assigns graded answers leaves the answer cell for the student (make grade).
+    stubs = [c for c in student["cells"] if "graded-answer" in c["metadata"].get("tags", [])]
+    assert [c for c in student["cells"] if c["cell_type"] == "code" and c not in stubs] == kept
+    graded = [n for c in nb["cells"] if c["cell_type"] == "code" and _first_line_is_solution(c)
+              for n in student_build.graded_answers("".join(c["source"]))]
+    assert [n for c in stubs for n in student_build.graded_answers("".join(c["source"]))] == graded
     if student_build.has_exercises(nb):
         assert removed >= 3, f"{path.name}: a chapter with exercises should have at least three solutions"
+
+
+def _first_line_is_solution(cell):
+    return student_build._first_line("".join(cell["source"])).startswith("# Solution")
+
+
+def test_graded_solution_leaves_an_answer_cell():
+    solution = ("# Solution 1 (graded): the first t.\n# answer_1_1: (t for 0.9, t for 0.99)\n"
+                "import math\nanswer_1_1 = (44, 459)\ndef answer_1_2(k):\n    return k\nother = 3\n")
+    nb = {"cells": [{"cell_type": "code", "id": "a", "metadata": {}, "outputs": [], "execution_count": 1,
+                     "source": solution.splitlines(keepends=True)},
+                    {"cell_type": "code", "id": "b", "metadata": {}, "outputs": [], "execution_count": 2,
+                     "source": ["# Solution 2: not graded\n", "x = 1\n"]}]}
+    student, removed = student_build.strip_notebook(nb)
+    assert removed == 2 and len(student["cells"]) == 1
+    assert "".join(student["cells"][0]["source"]) == (
+        student_build.STUB_HEADER + "\n# answer_1_1: (t for 0.9, t for 0.99)\nanswer_1_1 = ...\nanswer_1_2 = ...")
+    assert student["cells"][0]["id"] == "graded-answer_1_1" and student["cells"][0]["outputs"] == []
 
 
 def test_admonition_removal_is_exact():

@@ -8,7 +8,9 @@ The book hides solutions in two forms, and both go:
   whose solutions are code), and the hidden cell that re-checks the numbers quoted in the solutions
   (its first line is ``# Checks of the numbers quoted in the solutions``).
 
-Everything else (exercises, text, the outputs of the remaining cells) is kept byte for byte, and the
+A removed code solution that assigns a graded answer (a top-level name ``answer_...``, which
+``make grade`` checks: ``grading/``) leaves an answer cell in its place, ``answer_... = ...``, for the student to
+fill in. Everything else (exercises, text, the outputs of the remaining cells) is kept byte for byte, and the
 notebooks stay valid nbformat JSON. The copy goes to ``_build/student/src`` (configuration, table of
 contents, ``book/``, ``_static/``, ``_ext/``, the conformance table the appendix includes), where
 ``make student`` builds it into ``_build/student/_build/html``; the notebooks there are the ones to hand out. Standard library only::
@@ -34,6 +36,7 @@ branch cannot live there); jupyter-book then builds
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shutil
@@ -45,12 +48,48 @@ OUT = ROOT / "_build" / "student" / "src"
 BRANCH = "student"  # the repository branch that holds the student notebooks (see the docstring)
 MARKER = "_student.json"
 COPY = ["_config.yml", "_toc.yml", "_static", "_ext",
-        "tests/conformance_table.md"]  # included by book/appendix_conformance.md
+        "tests/conformance_table.md",  # included by book/appendix_conformance.md
+        "grading/teachers_table.md"]   # included by book/teachers_guide.md (the checks in grading/ stay behind)
 
 # A fenced MyST admonition titled Solution, with a colon fence of 3+ colons, up to its closing fence.
 ADMONITION_RE = re.compile(r"(?ms)^(?P<fence>:{3,})\{admonition\}\s*Solutions?\b.*?^(?P=fence)[ \t]*\n?")
 CODE_MARKERS = ("# Solution", "# Checks of the numbers quoted in the solutions")
 POINTER_RE = re.compile(r"(?m)^The solutions are below[^\n]*\n?")
+
+
+ANSWER_RE = re.compile(r"answer_\w+")
+STUB_HEADER = "# Your answer (graded by `make grade`): replace each ... by your value."
+
+
+def graded_answers(source: str) -> list[str]:
+    """Names ``answer_...`` that a code cell assigns at its top level, in order (none if it does not parse)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    names = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Name) and ANSWER_RE.fullmatch(leaf.id) and leaf.id not in names:
+                    names.append(leaf.id)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and ANSWER_RE.fullmatch(node.name) \
+                and node.name not in names:
+            names.append(node.name)
+    return names
+
+
+def answer_stub(names: list[str], source: str = "") -> dict:
+    """The code cell that replaces a removed solution assigning the graded ``names``; the solution's
+    comment lines that describe an answer (``# answer_1_1: ...``) are kept."""
+    described = [line for line in source.splitlines() if re.match(r"#\s*answer_\w+\s*:", line)]
+    lines = [STUB_HEADER] + described + [f"{name} = ..." for name in names]
+    source = "\n".join(lines)
+    return {"cell_type": "code", "execution_count": None, "id": f"graded-{names[0]}"[:64],
+            "metadata": {"tags": ["graded-answer"]},
+            "outputs": [], "source": source.splitlines(keepends=True)}
 
 
 def _first_line(source: str) -> str:
@@ -61,12 +100,18 @@ def _first_line(source: str) -> str:
 
 
 def strip_notebook(nb: dict) -> tuple[dict, int]:
-    """Return ``(notebook without solutions, number of solutions removed)``; ``nb`` is not modified."""
+    """Return ``(notebook without solutions, number of solutions removed)``; ``nb`` is not modified.
+
+    A removed ``# Solution`` cell that assigns graded answers (:func:`graded_answers`) is replaced by
+    :func:`answer_stub` of those names."""
     cells, removed = [], 0
     for cell in nb["cells"]:
         source = "".join(cell["source"])
         if cell["cell_type"] == "code" and _first_line(source).startswith(CODE_MARKERS):
             removed += 1
+            names = graded_answers(source)
+            if names and _first_line(source).startswith("# Solution"):
+                cells.append(answer_stub(names, source))
             continue
         if cell["cell_type"] == "markdown":
             new, n = ADMONITION_RE.subn("", source)
