@@ -27,7 +27,7 @@ KERNELS_generic := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR
 RUN     := OMP_WAIT_POLICY=PASSIVE
 PYTEST  := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 
-.PHONY: capstone conformance grade gpu-check setup python-version torch-cuda torch-cpu lab book student pdf pdf-numbers test site-test nbval portability notebooks bench \
+.PHONY: capstone conformance grade grade-setup gpu-check setup python-version torch-cuda torch-cpu lab book student pdf pdf-numbers test site-test nbval portability notebooks bench \
         sweep clean
 
 INSTALL_TORCH := $(BIN)/python tools/install_torch.py --venv $(VENV) --torch "$(TORCH)" --index "$(TORCH_INDEX)"
@@ -85,6 +85,10 @@ CHAPTER ?=
 grade: setup $(VENV)/.grade
 	$(RUN) $(BIN)/python tools/grade.py $(if $(CHAPTER),--chapter $(CHAPTER)) $(NB)
 
+# The grader alone (otter-grader, the `grade` extra): CI installs it before `make test` so that
+# tests/test_grade.py grades the solutions and a blank notebook instead of skipping.
+grade-setup: setup $(VENV)/.grade
+
 $(VENV)/.grade: $(VENV)/.installed pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[grade]"
 	touch $@
@@ -129,7 +133,7 @@ test: setup
 # The built site (run `make book` first) in headless Chromium: Debian's chromium + chromium-driver, never
 # downloaded (tests/test_site.py). Here a missing site or browser fails instead of skipping.
 site-test: setup
-	OPTBOOK_REQUIRE_SITE=1 $(RUN) $(BIN)/python -m pytest tests/test_site.py
+	OPTBOOK_REQUIRE_SITE=1 $(RUN) $(BIN)/python -m pytest tests/test_site.py tests/test_site_interactive.py
 
 # nbval alone, under one CPU kernel configuration: make nbval KERNELS=native|avx2|generic
 nbval: setup

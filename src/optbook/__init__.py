@@ -3,7 +3,8 @@
 Modules mirror the chapters: :mod:`optbook.optim` (the optimizers), :mod:`optbook.polar`, :mod:`optbook.qk_clip`,
 :mod:`optbook.clipping`, :mod:`optbook.contract` (the step contract every class follows), :mod:`optbook.distributed`, :mod:`optbook.precision`,
 :mod:`optbook.schedules`, :mod:`optbook.diagnostics`, :mod:`optbook.data`, :mod:`optbook.models`, :mod:`optbook.training`, :mod:`optbook.plotting`,
-:mod:`optbook.runtime`, :mod:`optbook.testing`, :mod:`optbook.bench`, :mod:`optbook.kernels`, :mod:`optbook.memory`.
+:mod:`optbook.runtime`, :mod:`optbook.testing`, :mod:`optbook.bench`, :mod:`optbook.kernels`, :mod:`optbook.memory`,
+:mod:`optbook.interactive` (the offline interactive figures).
 
 Only the torch-only core (:mod:`optbook.optim`, :mod:`optbook.polar`, :mod:`optbook.qk_clip`,
 :mod:`optbook.precision`) is imported eagerly. The other submodules are imported on first attribute access
@@ -18,13 +19,13 @@ from .polar import newton_schulz, ns_schedule, polar_express_coefficients, polar
 from .qk_clip import qk_clip_
 
 __version__ = "0.1.0"
-__all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed", "kernels", "memory", "models",
+__all__ = ["bench", "clipping", "contract", "data", "diagnostics", "distributed", "interactive", "kernels", "memory", "models",
            "newton_schulz", "ns_schedule", "optim", "plotting", "polar", "polar_express_coefficients", "polar_factor",
            "precision", "qk_clip_",
            "runtime", "schedules", "testing", "training"]
 
 #: Submodules imported on first use (they pull in matplotlib, scikit-learn, numpy or torch.distributed).
-_LAZY_SUBMODULES = ("bench", "capstone", "clipping", "contract", "data", "diagnostics", "distributed", "kernels",
+_LAZY_SUBMODULES = ("bench", "capstone", "clipping", "contract", "data", "diagnostics", "distributed", "interactive", "kernels",
                     "loss_scaling", "masters", "memory", "models", "offload", "plotting", "runtime", "schedules",
                     "testing", "text", "training", "wrapper")
 
