@@ -15,11 +15,11 @@ import itertools
 
 from optbook.distributed.assignment import lpt_assign, rank_loads
 
-costs = [5, 5, 4, 4, 3, 3, 3]
-every = itertools.product(range(3), repeat=len(costs))
+small = [5, 5, 4, 4, 3, 3, 3]  # not `costs`: the chapter's own costs are checked below
+every = itertools.product(range(3), repeat=len(small))
 answer_14_1 = (
-    max(rank_loads(costs, lpt_assign(costs, 3), 3)),
-    min(max(rank_loads(costs, list(a), 3)) for a in every),
+    max(rank_loads(small, lpt_assign(small, 3), 3)),
+    min(max(rank_loads(small, list(a), 3)) for a in every),
 )
 """
 COSTS = [5, 5, 4, 4, 3, 3, 3]
