@@ -263,11 +263,12 @@ def _members(optimizer) -> list:
     if type(optimizer) in SUPPORTED:
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        return [a for member in optimizer.optimizers if type(member) in SUPPORTED or isinstance(member, OptimizerWrapper)
-                for a in _members(member)]
+        return [a for member in optimizer.optimizers
+                if type(member) in SUPPORTED or isinstance(member, OptimizerWrapper) for a in _members(member)]
     if isinstance(optimizer, OptimizerWrapper):
         return [a for inner in optimizer.inner_optimizers() for a in _members(inner)]
-    raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.{', '.join(c.__name__ for c in SUPPORTED)} "
+    names = ", ".join(c.__name__ for c in SUPPORTED)
+    raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.{names} "
                     f"(not subclasses: their own step would bypass the kernel), a ChainedOptimizer with such "
                     f"members, and a MixedPrecisionOptimizer around one of these; got {type(optimizer).__name__}")
 
