@@ -8,10 +8,9 @@ This module holds the other element-wise optimizers' halves, written as Adam's a
   parameter's step count and averaging weight), computed **eagerly** with Python floats exactly as the eager
   functional twin computes them, and returned as one float64 tensor. They reach the graph as *data*: a new
   learning rate, a new step count, a momentum or weight-decay schedule run through the graph compiled at the
-  first step. (A Python number in a traced function is a constant of the graph, guarded by its value: a
-  changing one recompiles; ``torch.compile(schedule_free_adamw)`` compiles once per step for its per-step
-  float lists until Dynamo's ``recompile_limit`` of 8, and ``torch.compile(opt.step)`` hits that limit on
-  Schedule-Free's float state ``weight_sum``.)
+  first step. (A Python number in a traced function is at first a constant of the graph, guarded by its
+  value: its first change compiles again, and under CUDA graphs every new value does; the module docstring
+  of :mod:`optbook.optim.compiled` has the details.)
 * ``<name>_elementwise``: the element-wise lines of the update, in place, over a list of parameters; what
   :class:`~optbook.optim.compiled.CompiledStep` compiles (``fullgraph=True``), so that Inductor fuses each
   parameter's lines into one loop over memory. A float16/bfloat16 parameter is computed in float32 and its
@@ -22,8 +21,8 @@ This module holds the other element-wise optimizers' halves, written as Adam's a
 Each kernel equals its eager twin in :mod:`optbook.optim.functional` to float rounding, not bitwise: Inductor
 may contract ``a + b * c`` into one FMA and reorder a reduction (``tests/test_compiled_step.py`` checks five
 steps under a changing ``lr``, float32 and bfloat16). The one other difference: a weight decay of exactly 0
-is applied as ``+ 0 * p`` (SGD, Schedule-Free) or ``* 1`` (Adafactor, Lion) instead of being skipped, so
-that a weight-decay schedule starting at 0 needs no second graph; that changes at most the sign of a zero.
+is applied as ``+ 0 * p`` (SGD, Schedule-Free) or ``* 1`` (Adafactor) instead of being skipped, so that a
+weight-decay schedule starting at 0 needs no second graph; that changes at most the sign of a zero.
 
 What still recompiles (guards): the Python bools passed as keywords (``maximize``, SGD's ``nesterov`` and
 whether ``momentum`` is non-zero), the set of parameters that have a gradient, their shapes and dtypes
