@@ -50,7 +50,8 @@ from .adam import Adam, AdamW
 from ..wrapper import OptimizerWrapper
 from .chained import ChainedOptimizer
 from .compiled_elementwise import (adafactor_elementwise, adafactor_scalars, lion_elementwise, lion_scalars,
-                                   schedule_free_elementwise, schedule_free_scalars, sgd_elementwise, sgd_scalars)
+                                   parameter_norms, schedule_free_elementwise, schedule_free_scalars, sgd_elementwise,
+                                   sgd_scalars)
 from .lion import Lion
 from .muon import Muon, muon
 from .schedule_free import ScheduleFreeAdamW
@@ -235,7 +236,7 @@ class CompiledStep:
                                     d=float(group["d"]), weight_decay=float(group["weight_decay"]),
                                     device=params[0].device)
         self.kernels["adafactor"](params, [p.grad for p in params], row_vars, col_vars, variances, scalars,
-                                  maximize=group["maximize"])
+                                  parameter_norms(params), maximize=group["maximize"])
 
     def run_schedule_free(self, params, zs, exp_avg_sqs, steps: list[int], lrs: list[float], ckps: list[float],
                           group: dict) -> None:

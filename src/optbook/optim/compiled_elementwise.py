@@ -45,7 +45,7 @@ import torch
 
 from ._functional import LOW_PRECISION
 
-__all__ = ["adafactor_elementwise", "adafactor_scalars", "lion_elementwise", "lion_scalars",
+__all__ = ["adafactor_elementwise", "adafactor_scalars", "lion_elementwise", "lion_scalars", "parameter_norms",
            "schedule_free_elementwise", "schedule_free_scalars", "sgd_elementwise", "sgd_scalars"]
 
 _F64 = torch.float64
@@ -143,13 +143,30 @@ def adafactor_scalars(steps: list[int], dtypes: list[torch.dtype], *, lr: float,
     return torch.tensor(rows, dtype=_F64, device=device).reshape(-1, 7).T
 
 
+def parameter_norms(params: list[torch.Tensor]) -> torch.Tensor:
+    """Each parameter's 2-norm, eagerly (one ``torch._foreach_norm`` per kind), as float64 ``(n,)``: taken in
+    float32 for a float16/bfloat16 parameter and in the parameter's dtype otherwise, as the eager Adafactor
+    takes ``p.norm()`` of its working copy."""
+    low = [i for i, p in enumerate(params) if p.dtype in LOW_PRECISION]
+    rest = [i for i, p in enumerate(params) if p.dtype not in LOW_PRECISION]
+    norms: list = [None] * len(params)
+    for indices, dtype in ((low, torch.float32), (rest, None)):
+        if indices:
+            for i, n in zip(indices, torch._foreach_norm([params[i] for i in indices], 2, dtype=dtype)):
+                norms[i] = n.to(_F64)
+    return torch.stack(norms)
+
+
 def adafactor_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor],
                           row_vars: list[torch.Tensor | None], col_vars: list[torch.Tensor | None],
-                          variances: list[torch.Tensor | None], scalars: torch.Tensor, *, maximize: bool) -> None:
+                          variances: list[torch.Tensor | None], scalars: torch.Tensor, param_norms: torch.Tensor, *,
+                          maximize: bool) -> None:
     """The lines of :func:`optbook.optim.functional.adafactor`, in place; ``scalars`` from
-    :func:`adafactor_scalars`. Not only element-wise: the row and column means of ``G*G``, the RMS of the
-    parameter (taken before the decay) and of the update (for the clipping) are reductions inside the graph,
-    so nothing leaves it to become a Python float (the eager twin synchronises twice per parameter)::
+    :func:`adafactor_scalars`. Not only element-wise: the row and column means of ``G*G`` and the RMS of the
+    update (for the clipping) are reductions inside the graph, so nothing leaves it to become a Python float
+    (the eager twin synchronises twice per parameter); the parameters' norms (before the decay) come in as
+    ``param_norms`` (:func:`parameter_norms`, eager; inside the graph, a reduction reading
+    the parameter that the graph then overwrites kept Inductor from fusing the update into one loop)::
 
         alpha = max(eps2, RMS(p)) * min(lr, 1/sqrt(t));  p <- p * (1 - lr * weight_decay)
         r <- lerp(r, mean_cols(G*G), 1 - beta2_t);  c <- lerp(c, mean_rows(G*G), 1 - beta2_t)   (factored)
@@ -157,13 +174,16 @@ def adafactor_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor],
         U = G / sqrt(max(V, eps1**2));  p <- p - alpha / max(1, RMS(U) / d) * U
 
     ``alpha`` and the clipping factor are formed in float64 from the float32 norms, as the eager twin forms
-    them from Python floats.
+    them from Python floats; ``RMS(U)`` is summed as ``g*g / max(V, eps1**2)`` (the same number to rounding)
+    so that ``U`` is never stored. Passes over memory: ``p`` (its norm), ``G`` twice (row and column
+    statistics), ``G`` (``RMS(U)``), ``G`` and ``p`` (the update, ``p`` written).
 
     Args:
         params, grads: lists of equal-shape tensors, one per parameter.
         row_vars, col_vars, variances: as in :func:`optbook.optim.functional.adafactor` (float32 for a
             float16/bfloat16 parameter), updated in place.
         scalars: float64 ``(7, n)`` on the parameters' device.
+        param_norms: float64 ``(n,)`` from :func:`parameter_norms`, taken before this step.
         maximize: a Python bool (a constant of the graph).
     """
     for i, (p, g, r, c, v) in enumerate(zip(params, grads, row_vars, col_vars, variances)):
@@ -174,20 +194,25 @@ def adafactor_elementwise(params: list[torch.Tensor], grads: list[torch.Tensor],
         one_minus_beta2, cap, decay, e1, e1_squared, eps2, d = (scalars[k, i] for k in range(7))
         one_minus_beta2, decay, e1, e1_squared = (x.to(w.dtype) for x in (one_minus_beta2, decay, e1, e1_squared))
         root_numel = math.sqrt(w.numel())
-        alpha = torch.clamp_min(torch.linalg.vector_norm(w).to(_F64) / root_numel, eps2) * cap
+        alpha = torch.clamp_min(param_norms[i] / root_numel, eps2) * cap
         w = w * decay
         if v is None:   # factored over the last two dimensions
             square = g * g
             r_new = torch.lerp(r, square.mean(dim=-1, keepdim=True), one_minus_beta2)
             c_new = torch.lerp(c, square.mean(dim=-2, keepdim=True), one_minus_beta2)
-            V = r_new * c_new / torch.clamp_min(r_new.mean(dim=-2, keepdim=True), e1)
+            denominator = torch.clamp_min(r_new.mean(dim=-2, keepdim=True), e1)
+            V = r_new * c_new / denominator
+            V_again = r_new * (c_new / denominator)
             r.copy_(r_new)
             c.copy_(c_new)
         else:
-            V = torch.lerp(v, g * g, one_minus_beta2)
+            V = V_again = torch.lerp(v, g * g, one_minus_beta2)
             v.copy_(V)
         U = torch.rsqrt(torch.clamp_min(V, e1_squared)) * g
-        clip = torch.clamp_min(torch.linalg.vector_norm(U).to(_F64) / (root_numel * d), 1.0)
+        # ||U||^2 as sum(g*g / max(V, eps1**2)), written apart from U so that the compiler computes it from g
+        # in its own pass instead of storing U (a tensor of the parameter's size) for the update to read back
+        u_norm = torch.sqrt((g * g / torch.clamp_min(V_again, e1_squared)).sum())
+        clip = torch.clamp_min(u_norm.to(_F64) / (root_numel * d), 1.0)
         p.copy_(w - (alpha / clip).to(w.dtype) * U)
 
 
