@@ -1,6 +1,7 @@
-"""optbook.optim.compiled_step: a torch.compile-d Adam/AdamW step that compiles once.
+"""optbook.optim.compiled_step: a torch.compile-d Adam/AdamW, SGD, Lion, Adafactor or Schedule-Free step
+that compiles once.
 
-Reference: the eager ``optbook.optim.AdamW`` (itself tested against ``torch.optim.AdamW``). The tests
+Reference: the eager optimizers (``optbook.optim.AdamW`` itself tested against ``torch.optim.AdamW``). The tests
 marked ``compile`` run Inductor (one compilation, about 10-40 s on 2 CPU cores); the others check the
 capturable functional core eagerly, in float64, against :func:`optbook.optim.functional.adam`, and run the compiled
 path through Dynamo with ``backend="eager"`` (tracing, no code generation: seconds) to check that it is
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from optbook.contract import NonFiniteGradientError
-from optbook.optim import SGD, Adam, AdamW, ChainedOptimizer, Muon, adam_tensor, compiled_step
+from optbook.optim import (SGD, Adafactor, Adam, AdamW, ChainedOptimizer, Lion, Muon, ScheduleFreeAdamW, adam_tensor,
+                           compiled_step)
 from optbook.optim.functional import adam
 
 
@@ -70,12 +72,19 @@ def test_what_torch_compile_does_with_python_numbers_that_change():
 
 
 def test_compiled_step_refuses_an_optimizer_it_does_not_know():
-    with pytest.raises(TypeError, match="Invalid optimizer: compiled_step supports"):
-        compiled_step(SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
+    w = torch.zeros(3, 2, requires_grad=True)
+    with pytest.raises(TypeError, match="Invalid optimizer: compiled_step supports .*ScheduleFreeAdamW"):
+        compiled_step(Muon([w], lr=0.02))
     with pytest.raises(TypeError, match="Invalid optimizer"):
         compiled_step(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]))
-    with pytest.raises(TypeError, match="no optbook.optim.Adam or AdamW in this ChainedOptimizer"):
-        compiled_step(ChainedOptimizer([SGD([torch.zeros(2, requires_grad=True)], lr=0.1)]))
+    with pytest.raises(TypeError, match="Invalid optimizer: compiled_step found no .* in this ChainedOptimizer"):
+        compiled_step(ChainedOptimizer([Muon([w], lr=0.02)]))
+
+    class MySGD(SGD):   # a subclass may have a step of its own, which would bypass the kernel
+        pass
+
+    with pytest.raises(TypeError, match="not subclasses"):
+        compiled_step(MySGD([torch.zeros(2, requires_grad=True)], lr=0.1))
 
 
 def test_a_bad_hyperparameter_raises_before_anything_is_written_or_compiled():
@@ -130,8 +139,8 @@ def test_the_compiled_step_is_the_optimizers_step_hooks_scheduler_and_chain_incl
     chain.register_step_post_hook(lambda o, a, k: calls.append("chain post"))
     adamw.register_step_post_hook(lambda o, a, k: calls.append("adamw post"))
     runs = []
-    kernel = step.kernel
-    step.kernel = lambda *a, **k: (runs.append(1), kernel(*a, **k))[1]
+    kernel = step.kernels["adam"]
+    step.kernels["adam"] = lambda *a, **k: (runs.append(1), kernel(*a, **k))[1]
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 10) for o in (chain, ref_chain)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # "lr_scheduler.step() before optimizer.step()" would fail here
@@ -210,3 +219,131 @@ def test_compiled_adamw_compiles_once_and_equals_eager_for_three_steps_with_a_ne
     assert [opt.state[p]["step"] for p in compiled] == [3] * 4
     sd = opt.state_dict()
     assert all(isinstance(s["step"], int) for s in sd["state"].values())
+
+
+# ---------------------------------------------------------------- SGD, Lion, Adafactor, Schedule-Free
+
+#: the element-wise optimizers beside Adam, with options that run every line of their kernels
+#: (optbook.optim.compiled_elementwise): Nesterov, maximize and weight decay for SGD, a warmup for Schedule-Free
+ELEMENTWISE = {
+    "SGD": (SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True)),
+    "Lion": (Lion, dict(betas=(0.9, 0.99), weight_decay=0.5)),
+    "Adafactor": (Adafactor, dict(weight_decay=0.1)),
+    "ScheduleFreeAdamW": (ScheduleFreeAdamW, dict(betas=(0.9, 0.95), weight_decay=0.1, warmup_steps=2)),
+}
+LRS = (0.05, 0.03, 0.02, 0.01, 0.005)   # a new lr before each step, as a scheduler sets it
+
+
+def _side_by_side(name, base, **compile_options):
+    """Five steps of the eager optimizer and of the same optimizer under compiled_step, the same gradients,
+    a new lr each step; the second and later steps under Dynamo's error_on_recompile (one graph)."""
+    cls, options = ELEMENTWISE[name]
+    g = torch.Generator().manual_seed(1)
+    eager = [b.clone().requires_grad_() for b in base]
+    compiled = [b.clone().requires_grad_() for b in base]
+    opt_eager, opt = cls(eager, lr=LRS[0], **options), cls(compiled, lr=LRS[0], **options)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()   # graphs counted by earlier tests
+    step = compiled_step(opt, **compile_options)
+    for k, lr in enumerate(LRS):
+        grads = [torch.randn(b.shape, generator=g, dtype=b.dtype) for b in base]
+        for ps, o in ((eager, opt_eager), (compiled, opt)):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            o.param_groups[0]["lr"] = lr
+        opt_eager.step()
+        with torch._dynamo.config.patch(error_on_recompile=k > 0):
+            step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+    return eager, compiled, opt_eager, opt
+
+
+def _assert_same_state(opt_eager, opt, atol=None):
+    """The same state dict: the same keys, Python numbers equal (step counts ints, Schedule-Free's lr_max
+    and weight_sum floats), tensors close (``atol=None``: one ulp of the tensor's largest entry per step)."""
+    a, b = opt_eager.state_dict()["state"], opt.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].keys() == b[i].keys()
+        for key, x in a[i].items():
+            if isinstance(x, torch.Tensor):
+                assert b[i][key].dtype == x.dtype
+                tol = atol if atol is not None else len(LRS) * torch.finfo(x.dtype).eps * float(x.abs().max())
+                torch.testing.assert_close(b[i][key], x, rtol=0, atol=tol)
+            else:
+                assert type(b[i][key]) is type(x) and b[i][key] == x, key
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_each_elementwise_kernel_gives_the_eager_step_in_float64(name):
+    # backend="eager": Dynamo traces the kernel once and runs the traced ops without generating code, so
+    # this checks each kernel's lines and the eagerly formed numbers of the step (lr, bias corrections,
+    # Schedule-Free's weights) against the eager optimizer in seconds. float64: the two orders of the same
+    # few operations differ by a few ulps of the O(1) parameters; a wrong lr, momentum or bias correction
+    # would be off by ~1e-3.
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((6, 4), (5,), (2, 3, 4))]
+    eager, compiled, opt_eager, opt = _side_by_side(name, base, backend="eager")
+    for a, b, b0 in zip(eager, compiled, base):
+        assert float((a - b0).detach().abs().max()) > 1e-2    # it moved
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-14)
+    _assert_same_state(opt_eager, opt, atol=1e-14)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_each_compiled_elementwise_step_compiles_once_and_equals_eager_over_five_lrs(name):
+    # Inductor, float32 and bfloat16 parameters in one group. Tolerance: each step may round a parameter
+    # differently once (an FMA, a reduction in another order; Lion's eager bf16 step rounds p * (1 - lr *
+    # wd) once more): one ulp of the largest parameter per step. The bf16 parameter is small (|p| < 0.5),
+    # so that bound (5 ulps, 0.01) stays far below what a wrong lr or bias correction would move it.
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=g) for s in ((16, 8), (8,), (2, 3, 4))]
+    base.append((torch.randn(6, 5, generator=g) * 0.1).bfloat16())
+    eager, compiled, opt_eager, opt = _side_by_side(name, base)
+    for a, b, b0 in zip(eager, compiled, base):
+        assert float((a.float() - b0.float()).detach().abs().max()) > 1e-2    # it moved
+        ulp = torch.finfo(a.dtype).eps * float(a.detach().abs().max())
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=len(LRS) * ulp)
+    _assert_same_state(opt_eager, opt)
+
+
+def test_compiled_step_of_a_chain_and_a_mixed_precision_wrapper_runs_their_members_kernels():
+    # (backend="eager", seconds) a chain's Lion runs its kernel, its Muon stays eager; a mixed-precision
+    # Adafactor steps its float32 masters with its kernel, after the wrapper's unscale and check.
+    from optbook.precision import MixedPrecisionOptimizer
+
+    def build():
+        g = torch.Generator().manual_seed(0)
+        W, b = torch.randn(6, 4, generator=g).requires_grad_(), torch.randn(4, generator=g).requires_grad_()
+        low = [torch.randn(5, 3, generator=g).bfloat16().requires_grad_()]
+        return ([W, b], ChainedOptimizer([Muon([W], lr=0.02, ns_dtype=torch.float32), Lion([b], lr=1e-2)]),
+                low, MixedPrecisionOptimizer(Adafactor(low, lr=1e-2)))
+
+    params, chain, low, mixed = build()
+    ref_params, ref_chain, ref_low, ref_mixed = build()
+    steps = [compiled_step(chain, backend="eager"), compiled_step(mixed, backend="eager")]
+    assert steps[0].optimizers == [chain.optimizers[1]] and chain.optimizers[0].compiled_kernel is None
+    assert steps[1].optimizers == [mixed.optimizer] and mixed.optimizer.compiled is steps[1]
+    for k in range(3):
+        for ps in (params, ref_params, low, ref_low):
+            _grads(ps, k)
+        for s in steps:
+            s()
+        ref_chain.step()
+        ref_mixed.step()
+    for a, b in zip(params + list(mixed.master_params()), ref_params + list(ref_mixed.master_params())):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+    assert chain.optimizers[1].state[params[1]]["exp_avg"].abs().max() > 0
+
+
+def test_sgd_refuses_fused_under_compiled_step_before_writing():
+    p = torch.randn(4, 3, requires_grad=True)
+    opt = SGD([p], lr=0.1, momentum=0.9, fused=True)
+    compiled_step(opt, backend="eager")
+    p.grad = torch.randn(4, 3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="Invalid fused=True: .*compiled_step"):
+        opt.step()
+    assert torch.equal(p, before) and len(opt.state) == 0

@@ -137,6 +137,10 @@ class Adafactor(BookOptimizer):
                     "col_var": ((*p.shape[:-2], 1, p.shape[-1]), work, True)}
         return {"variance": (tuple(p.shape), work, True)}
 
+    #: ``None`` (the eager step), or the :class:`optbook.optim.compiled.CompiledStep` whose compiled kernel
+    #: runs this optimizer's arithmetic inside its own ``step()`` (set by :func:`optbook.optim.compiled_step`).
+    compiled = None
+
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
@@ -150,6 +154,10 @@ class Adafactor(BookOptimizer):
                     state.update(step=0, variance=torch.zeros_like(p, dtype=work))
             state["step"] += 1
         states = [self.state[p] for p in params]
+        if self.compiled is not None:
+            self.compiled.run_adafactor(params, [s.get("row_var") for s in states], [s.get("col_var") for s in states],
+                                        [s.get("variance") for s in states], [s["step"] for s in states], group)
+            return
         eps1, eps2 = group["eps"]
         adafactor(params, [p.grad for p in params], [s.get("row_var") for s in states],
                   [s.get("col_var") for s in states], [s.get("variance") for s in states],

@@ -1,4 +1,4 @@
-"""A compiled Adam/AdamW step: the update captured once by ``torch.compile``. Explained in chapter 15.
+"""A compiled optimizer step: the update captured once by ``torch.compile``. Explained in chapter 15.
 
 Why a separate path. :func:`optbook.optim.functional.adam` takes the step count ``t`` as a Python ``int`` and
 ``lr`` as a Python ``float`` and folds them into Python scalars (``lr * c2 / c1``). Under
@@ -10,27 +10,33 @@ and later values reuse that graph. Under CUDA graphs (``mode="reduce-overhead"``
 (``torch/_dynamo/variables/builder.py``): every new learning rate of a schedule compiles again, until
 Dynamo's ``recompile_limit`` (8) makes it give up and run eagerly, without an error. Passing the numbers
 that change from step to step as tensors avoids both, as ``torch.optim``'s ``capturable=True`` does: here
-a float64 tensor of step counts (one per parameter) and a 0-d float64 ``lr``. Their *values* are data,
+one float64 tensor per parameter group holding ``lr``, the betas, the decay factors and each parameter's
+bias corrections, computed eagerly from the step counts (``<name>_scalars``). Their *values* are data,
 not constants, so one graph serves every step from the first.
 
-:func:`adam_tensor` is the same update as :func:`optbook.optim.functional.adam` (AdamW's decoupled decay, or
-Adam's L2; AMSGrad; maximize; float16/bfloat16 parameters computed in float32 and rounded back once),
-written with ``t`` and ``lr`` as tensors and no Python branch on their values. :func:`compiled_step`
-makes an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW` (also as a member of a chain,
-or inside a mixed-precision wrapper) run its arithmetic through one compiled :func:`adam_tensor` per
-parameter group, inside its own ``step()``: the usual validation, hooks, scheduler bookkeeping and state
-(``state["step"]`` stays an ``int``, so state dicts are the eager optimizer's) are unchanged. Inductor fuses each parameter's seven element-wise lines into one loop over
-memory, which is what ``torch.optim.AdamW(fused=True)`` does by hand in C++/CUDA.
+What is compiled: for each parameter group, the element-wise lines of the update (``<name>_elementwise``):
+Adam/AdamW here (:func:`adam_elementwise`; Adam's L2 or AdamW's decoupled decay, AMSGrad, maximize), SGD
+(momentum, Nesterov, weight decay), Lion, Adafactor (with its row/column means and RMS reductions) and
+Schedule-Free AdamW in :mod:`optbook.optim.compiled_elementwise` (sources and guards there). A
+float16/bfloat16 parameter is computed in float32 and rounded back once, as on the eager path.
+:func:`compiled_step` makes such an optimizer (also as a member of a chain, or inside a mixed-precision
+wrapper) run its arithmetic through these kernels, one ``torch.compile`` per algorithm, inside its own
+``step()``: the usual validation, hooks, scheduler bookkeeping and state (``state["step"]`` stays an
+``int``, Schedule-Free's ``lr_max`` and ``weight_sum`` stay floats, so state dicts are the eager optimizer's)
+are unchanged. Inductor fuses each parameter's lines into one loop over memory, which is what
+``torch.optim.AdamW(fused=True)`` does by hand in C++/CUDA.
 
-What still recompiles (guards): a change of the group's ``amsgrad`` or ``maximize`` (Python constants
-of the graph), Adam's (L2) ``weight_decay`` switched between zero and non-zero, a change of the set of
-parameters that have a gradient, or of their shapes and dtypes. ``lr`` (float or one-element tensor, as a
-scheduler sets it), the step count, ``betas``, ``eps`` and AdamW's ``weight_decay`` do not: they reach the
-graph as rows of :func:`adam_scalars`' float64 tensor, as ``torch.optim``'s compiled optimizers take
-tensor hyperparameters.
+What still recompiles (guards): for Adam/AdamW a change of the group's ``amsgrad`` or ``maximize`` (Python
+constants of the graph), Adam's (L2) ``weight_decay`` switched between zero and non-zero; for SGD
+``nesterov``, ``maximize`` and ``momentum`` switched between zero and non-zero; Adafactor's ``maximize``;
+for every algorithm a change of the set of parameters that have a gradient, or of their shapes and dtypes.
+``lr`` (float or one-element tensor, as a scheduler sets it), the step count and the other real-valued
+hyperparameters do not: they reach the graph as rows of the float64 tensor, as ``torch.optim``'s compiled
+optimizers take tensor hyperparameters. Each distinct group (another set of shapes) is another graph of the
+same kernel function: Dynamo keeps at most ``recompile_limit`` (8) of them, then runs that kernel eagerly.
 
 Cost: the first call compiles (tens of seconds on a small CPU for a hundred tensors); measured speed in
-``benchmarks/bench_compiled_step.py`` and the README.
+``benchmarks/bench_compiled_step.py``, ``benchmarks/bench_limits.py`` and their README.
 """
 
 from __future__ import annotations
@@ -38,10 +44,18 @@ from __future__ import annotations
 import torch
 
 from ._functional import LOW_PRECISION
+from .._sharded import local
+from .adafactor import Adafactor
 from .adam import Adam, AdamW
 from ..wrapper import OptimizerWrapper
 from .chained import ChainedOptimizer
+from .compiled_elementwise import (adafactor_elementwise, adafactor_scalars, lion_elementwise, lion_scalars,
+                                   parameter_norms, schedule_free_elementwise, schedule_free_scalars, sgd_elementwise,
+                                   sgd_scalars)
+from .lion import Lion
 from .muon import Muon, muon
+from .schedule_free import ScheduleFreeAdamW
+from .sgd import SGD
 
 __all__ = ["CompiledMuonStep", "CompiledStep", "adam_elementwise", "adam_scalars", "adam_tensor", "compiled_muon_step",
            "compiled_step"]
@@ -148,31 +162,33 @@ def adam_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
 
 
 class CompiledStep:
-    """The compiled arithmetic of one or more Adam/AdamW optimizers, run inside their own ``step()``.
+    """The compiled arithmetic of one or more element-wise optimizers, run inside their own ``step()``.
 
     Made by :func:`compiled_step`; see the module docstring. Calling it is calling ``optimizer.step``:
-    ``step(closure=None)`` returns what that returns.
+    ``step(closure=None)`` returns what that returns. Each ``run_*`` method is called by an optimizer's
+    ``step()`` for one group, with the state that ``step()`` prepared (created, step counts advanced); the
+    numbers of the step are formed eagerly (``<name>_scalars``), the element-wise lines run in ``kernels``.
 
     Attributes:
-        optimizer: what :func:`compiled_step` was given (an Adam/AdamW, a chain, a mixed-precision wrapper).
-        optimizers: the Adam/AdamW instances whose ``step()`` runs the compiled kernel (their attribute
-            ``compiled`` is this object).
-        kernel: the ``torch.compile``-d :func:`adam_elementwise` (:func:`adam_scalars` runs eagerly before
-            it, a few float64 numbers per parameter).
+        optimizer: what :func:`compiled_step` was given (an optimizer, a chain, a mixed-precision wrapper).
+        optimizers: the optimizers whose ``step()`` runs a compiled kernel (their attribute ``compiled`` is
+            this object).
+        kernels: ``{"adam" | "sgd" | "lion" | "adafactor" | "schedule_free": the torch.compile-d element-wise
+            function}``; nothing is compiled before the first call of each.
     """
 
     def __init__(self, optimizer, optimizers: list, **compile_options):
         self.optimizer = optimizer
         self.optimizers = optimizers
-        self.kernel = torch.compile(adam_elementwise, fullgraph=True, **compile_options)
+        self.kernels = {name: torch.compile(fn, fullgraph=True, **compile_options) for name, fn in _KERNELS.items()}
 
     def __call__(self, closure=None):
         return self.optimizer.step(closure)
 
     def run_group(self, params, exp_avgs, exp_avg_sqs, steps: list[int], max_exp_avg_sqs, group: dict, *,
                   decoupled_weight_decay: bool) -> None:
-        """One group's arithmetic through the compiled kernel, from the state an Adam/AdamW's ``step()``
-        prepared (``steps``: each parameter's step count after this step); ``group``'s numbers as floats."""
+        """One Adam/AdamW group's arithmetic through the compiled kernel, from the state an Adam/AdamW's
+        ``step()`` prepared (``steps``: each parameter's step count after this step); ``group``'s numbers as floats."""
         if not params:
             return
         amsgrad = group["amsgrad"]
@@ -185,31 +201,83 @@ class CompiledStep:
                                decoupled_weight_decay=decoupled_weight_decay)
         if params[0].device != scalars.device:
             scalars = scalars.to(params[0].device)
-        self.kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars,
-                    decoupled_weight_decay=decoupled_weight_decay,
-                    l2=bool(weight_decay) and not decoupled_weight_decay, amsgrad=amsgrad, maximize=group["maximize"],
-                    max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+        self.kernels["adam"](params, [p.grad for p in params], exp_avgs, exp_avg_sqs, scalars,
+                             decoupled_weight_decay=decoupled_weight_decay,
+                             l2=bool(weight_decay) and not decoupled_weight_decay, amsgrad=amsgrad,
+                             maximize=group["maximize"], max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+
+    def run_sgd(self, params, momentum_buffers, group: dict) -> None:
+        """One :class:`~optbook.optim.SGD` group (``momentum_buffers``: ``None`` entries without momentum)."""
+        if not params:
+            return
+        momentum = float(group["momentum"])
+        scalars = sgd_scalars(lr=float(group["lr"]), momentum=momentum, weight_decay=float(group["weight_decay"]),
+                              device=params[0].device)
+        self.kernels["sgd"](local(params), local([p.grad for p in params]), local(momentum_buffers), scalars,
+                            momentum=bool(momentum), nesterov=group["nesterov"], maximize=group["maximize"])
+
+    def run_lion(self, params, exp_avgs, group: dict) -> None:
+        """One :class:`~optbook.optim.Lion` group."""
+        if not params:
+            return
+        beta1, beta2 = (float(b) for b in group["betas"])
+        scalars = lion_scalars(lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                               weight_decay=float(group["weight_decay"]), device=params[0].device)
+        self.kernels["lion"](local(params), local([p.grad for p in params]), local(exp_avgs), scalars)
+
+    def run_adafactor(self, params, row_vars, col_vars, variances, steps: list[int], group: dict) -> None:
+        """One :class:`~optbook.optim.Adafactor` group (``steps`` counted after this step)."""
+        if not params:
+            return
+        eps1, eps2 = group["eps"]
+        scalars = adafactor_scalars(steps, [p.dtype for p in params], lr=float(group["lr"]),
+                                    beta2_decay=float(group["beta2_decay"]),
+                                    eps1=None if eps1 is None else float(eps1), eps2=float(eps2),
+                                    d=float(group["d"]), weight_decay=float(group["weight_decay"]),
+                                    device=params[0].device)
+        self.kernels["adafactor"](params, [p.grad for p in params], row_vars, col_vars, variances, scalars,
+                                  parameter_norms(params), maximize=group["maximize"])
+
+    def run_schedule_free(self, params, zs, exp_avg_sqs, steps: list[int], lrs: list[float], ckps: list[float],
+                          group: dict) -> None:
+        """One :class:`~optbook.optim.ScheduleFreeAdamW` group (``lrs``, ``ckps``: each parameter's ``lr_t`` and
+        averaging weight, from :func:`~optbook.optim.schedule_free.schedule_free_weight`)."""
+        if not params:
+            return
+        beta1, beta2 = (float(b) for b in group["betas"])
+        scalars = schedule_free_scalars(steps, lrs, ckps, beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                                        weight_decay=float(group["weight_decay"]), device=params[0].device)
+        self.kernels["schedule_free"](local(params), local([p.grad for p in params]), local(zs), local(exp_avg_sqs),
+                                      scalars)
 
 
-def _adam_members(optimizer) -> list:
-    """The Adam/AdamW instances whose ``step()`` runs when ``optimizer.step()`` does (every wrapper of
+_KERNELS = {"adam": adam_elementwise, "sgd": sgd_elementwise, "lion": lion_elementwise,
+            "adafactor": adafactor_elementwise, "schedule_free": schedule_free_elementwise}
+#: The optimizers whose ``step()`` runs a :class:`CompiledStep`'s kernel when their attribute ``compiled`` is set.
+SUPPORTED = (Adam, AdamW, SGD, Lion, Adafactor, ScheduleFreeAdamW)
+
+
+def _members(optimizer) -> list:
+    """The supported optimizers whose ``step()`` runs when ``optimizer.step()`` does (every wrapper of
     :mod:`optbook.wrapper` looked into: a chain's members, a mixed-precision wrapper's inner optimizer; a chain's
     other members are left eager); ``TypeError`` for an optimizer :func:`compiled_step` does not know."""
-    if isinstance(optimizer, (Adam, AdamW)):
+    if type(optimizer) in SUPPORTED:
         return [optimizer]
     if isinstance(optimizer, ChainedOptimizer):
-        return [a for member in optimizer.optimizers if isinstance(member, (Adam, AdamW, OptimizerWrapper))
-                for a in _adam_members(member)]
+        return [a for member in optimizer.optimizers
+                if type(member) in SUPPORTED or isinstance(member, OptimizerWrapper) for a in _members(member)]
     if isinstance(optimizer, OptimizerWrapper):
-        return [a for inner in optimizer.inner_optimizers() for a in _adam_members(inner)]
-    raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.Adam and AdamW, a ChainedOptimizer "
-                    f"with such members, and a MixedPrecisionOptimizer around one of these; got "
-                    f"{type(optimizer).__name__}")
+        return [a for inner in optimizer.inner_optimizers() for a in _members(inner)]
+    names = ", ".join(c.__name__ for c in SUPPORTED)
+    raise TypeError(f"Invalid optimizer: compiled_step supports optbook.optim.{names} "
+                    f"(not subclasses: their own step would bypass the kernel), a ChainedOptimizer with such "
+                    f"members, and a MixedPrecisionOptimizer around one of these; got {type(optimizer).__name__}")
 
 
 def compiled_step(optimizer, **compile_options) -> CompiledStep:
-    """Run the arithmetic of ``optimizer``'s Adam/AdamW steps through one ``torch.compile``-d kernel, not
-    compiled again when ``lr`` or the step count change; returns ``optimizer.step``'s stand-in.
+    """Run the arithmetic of ``optimizer``'s element-wise steps (Adam, AdamW, SGD, Lion, Adafactor,
+    Schedule-Free AdamW) through ``torch.compile``-d kernels, not compiled again when ``lr`` or the step
+    count change; returns ``optimizer.step``'s stand-in.
 
     Use it in place of ``optimizer.step`` (or keep calling ``optimizer.step()``: it is the same)::
 
@@ -222,29 +290,33 @@ def compiled_step(optimizer, **compile_options) -> CompiledStep:
             sched.step()
             opt.zero_grad()
 
-    The compiled arithmetic runs *inside* the optimizer's own ``step()`` (each Adam/AdamW gets the
+    The compiled arithmetic runs *inside* the optimizer's own ``step()`` (each supported optimizer gets the
     attribute ``compiled``), so everything ``step()`` does still happens: the validation (a bad
     hyperparameter or gradient, or an ``inf``/``NaN`` gradient, raises before anything is written), the
     step pre- and post-hooks, and the ``torch.optim.lr_scheduler`` bookkeeping (a scheduler wraps
     ``optimizer.step`` to see that the optimizer stepped; calling :class:`CompiledStep` calls that
     wrapped method, so a correctly ordered loop gets no "lr_scheduler.step() before optimizer.step()"
-    warning). The state stays the eager optimizer's (``state["step"]`` an ``int``; same ``state_dict``).
+    warning). The state stays the eager optimizer's (same ``state_dict``); Schedule-Free's ``train()`` and
+    ``eval()`` stay eager.
 
-    Where it works, and why these: the kernel is an Adam/AdamW update, so it replaces the arithmetic of
-    Adam/AdamW instances only. ``optimizer`` may be
+    Where it works, and why these: each kernel is one algorithm's update, so it replaces the arithmetic of
+    instances of that class only. ``optimizer`` may be
 
-    * an :class:`~optbook.optim.Adam` or :class:`~optbook.optim.AdamW`;
-    * a :class:`~optbook.optim.ChainedOptimizer`: its Adam/AdamW members (also inside nested chains or
+    * an :class:`~optbook.optim.Adam`, :class:`~optbook.optim.AdamW`, :class:`~optbook.optim.SGD`,
+      :class:`~optbook.optim.Lion`, :class:`~optbook.optim.Adafactor` or
+      :class:`~optbook.optim.ScheduleFreeAdamW` (the class itself, not a subclass);
+    * a :class:`~optbook.optim.ChainedOptimizer`: its supported members (also inside nested chains or
       mixed-precision members) run compiled, the others (Muon, ...) eagerly, and the chain's one check
       and global clip come first as always;
-    * an :class:`optbook.precision.MixedPrecisionOptimizer` around one of these: the inner Adam/AdamW
+    * an :class:`optbook.precision.MixedPrecisionOptimizer` around one of these: the inner optimizer
       steps the float32 masters with the compiled kernel, after the wrapper's unscale, check and clip.
 
     Anything else (``torch.optim``'s classes, other wrappers, whose steps do not go through an optbook
-    Adam's ``step()``) is refused with a ``TypeError``: there is nothing the kernel could replace.
+    optimizer's ``step()``) is refused with a ``TypeError``: there is nothing the kernel could replace.
 
     Args:
-        optimizer: as above (the ``foreach`` option of its Adam/AdamW is ignored: the compiler fuses the loop).
+        optimizer: as above (the ``foreach`` option is ignored: the compiler fuses the loop; ``fused=True``
+            of SGD/Adam/AdamW is refused at the next step, naming ``fused``).
         compile_options: passed to ``torch.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``, or
             ``backend="eager"`` to trace without generating code).
 
@@ -252,12 +324,13 @@ def compiled_step(optimizer, **compile_options) -> CompiledStep:
         A :class:`CompiledStep`, callable as ``step(closure=None)``: it calls ``optimizer.step(closure)``.
 
     Raises:
-        TypeError: ``optimizer`` is none of the above, or a chain without an Adam/AdamW member.
+        TypeError: ``optimizer`` is none of the above, or a chain without a supported member.
     """
-    targets = _adam_members(optimizer)
+    targets = _members(optimizer)
     if not targets:
-        raise TypeError(f"Invalid optimizer: compiled_step found no optbook.optim.Adam or AdamW in this "
-                        f"{type(optimizer).__name__}: nothing to compile")
+        raise TypeError(f"Invalid optimizer: compiled_step found no optbook.optim."
+                        f"{', '.join(c.__name__ for c in SUPPORTED)} in this {type(optimizer).__name__}: nothing "
+                        "to compile")
     step = CompiledStep(optimizer, targets, **compile_options)
     for opt in targets:
         opt.compiled = step

@@ -73,11 +73,18 @@ class Lion(BookOptimizer):
     def _expected_state(self, p, group):
         return {"exp_avg": (tuple(p.shape), p.dtype, True)}
 
+    #: ``None`` (the eager step), or the :class:`optbook.optim.compiled.CompiledStep` whose compiled kernel
+    #: runs this optimizer's arithmetic inside its own ``step()`` (set by :func:`optbook.optim.compiled_step`).
+    compiled = None
+
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if not self.state[p]:
                 self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self.compiled is not None:
+            self.compiled.run_lion(params, [self.state[p]["exp_avg"] for p in params], group)
+            return
         beta1, beta2 = group["betas"]
         lion(local(params), local([p.grad for p in params]),
              local([self.state[p]["exp_avg"] for p in params]), lr=group["lr"],

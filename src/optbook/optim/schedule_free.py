@@ -195,6 +195,10 @@ class ScheduleFreeAdamW(BookOptimizer):
         the next step."""
         self._switch(False)
 
+    #: ``None`` (the eager step), or the :class:`optbook.optim.compiled.CompiledStep` whose compiled kernel
+    #: runs this optimizer's arithmetic inside its own ``step()`` (set by :func:`optbook.optim.compiled_step`).
+    compiled = None
+
     def _step_group(self, group: dict) -> None:
         params, steps, lrs, ckps = [], [], [], []
         for p in group["params"]:
@@ -212,6 +216,10 @@ class ScheduleFreeAdamW(BookOptimizer):
             steps.append(state["step"])
             lrs.append(lr_t)
             ckps.append(c)
+        if self.compiled is not None:
+            self.compiled.run_schedule_free(params, [self.state[p]["z"] for p in params],
+                                            [self.state[p]["exp_avg_sq"] for p in params], steps, lrs, ckps, group)
+            return
         beta1, beta2 = group["betas"]
         schedule_free_adamw(local(params), local([p.grad for p in params]),
                             local([self.state[p]["z"] for p in params]),

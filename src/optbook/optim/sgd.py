@@ -151,6 +151,13 @@ class SGD(BookOptimizer):
         check_bool("maximize", group["maximize"])
         check_foreach(group["foreach"])
         check_fused(group, nesterov=group["nesterov"], sgd=True)
+        if group["fused"] and self.compiled is not None:
+            raise ValueError("Invalid fused=True: this optimizer's arithmetic runs through compiled_step's "
+                             "torch.compile-d kernel, and fused=True hands it to torch's fused kernel; choose one")
+
+    #: ``None`` (the eager step), or the :class:`optbook.optim.compiled.CompiledStep` whose compiled kernel
+    #: runs this optimizer's arithmetic inside its own ``step()`` (set by :func:`optbook.optim.compiled_step`).
+    compiled = None
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -164,6 +171,9 @@ class SGD(BookOptimizer):
                 buffers.append(state["momentum_buffer"])
             else:
                 buffers.append(None)
+        if self.compiled is not None:
+            self.compiled.run_sgd(params, buffers, group)
+            return
         sgd(local(params), local([p.grad for p in params]), local(buffers), lr=group["lr"], momentum=momentum,
             nesterov=group["nesterov"], weight_decay=group["weight_decay"], maximize=group["maximize"],
             foreach=use_foreach(group["foreach"], params), fused=bool(group["fused"]))
