@@ -3,9 +3,9 @@
 ``SGD`` (chapter 1), ``Adam`` (chapter 2), ``AdamW`` and ``weight_decay_param_groups`` (chapter 3),
 ``Adafactor``, ``Lion``, ``Shampoo``, ``SOAP`` (chapter 4),
 ``Muon`` (chapter 6; its per-matrix update ``orthogonalized_blocks``, which the distributed Muons call),
-``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step`` (a ``torch.compile``-d Adam/AdamW
-step, chapter 15), ``compiled_muon_step`` (the same for Muon); ``NorMuon``, ``AdaMuon``, ``Dion``, ``Dion2``, ``Scion``,
-``ScheduleFreeAdamW`` (chapter 18).
+``muon_param_groups`` and ``ChainedOptimizer`` (chapter 7), ``compiled_step`` (a ``torch.compile``-d step for
+Adam, AdamW, SGD, Lion, Adafactor and Schedule-Free, chapter 15), ``compiled_muon_step`` (the same for Muon);
+``NorMuon``, ``AdaMuon``, ``Dion``, ``Dion2``, ``Scion``, ``ScheduleFreeAdamW`` (chapter 18).
 Each class has a pure functional twin that holds the math, in :mod:`optbook.optim.functional` (``sgd``, ``adam``,
 ``lion``, ``adafactor``, ``shampoo``, ``soap``, ``muon``, ``normuon``, ``adamuon``, ``dion``, ``dion2``, ``scion``,
 ``schedule_free_adamw``), as ``torch.optim._functional``; the class gathers state and calls it. So
