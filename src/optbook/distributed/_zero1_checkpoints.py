@@ -9,6 +9,13 @@ each rank's pieces of m, v and the masters, with the piece boundaries as layout 
 size) or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 Every load validates the whole dict before it writes anything.
 
+The consolidated layout is :mod:`optbook.masters`' (one checkpoint layout for masters, as
+:class:`~optbook.precision.MixedPrecisionOptimizer` and :class:`~optbook.memory.OffloadOptimizer` write it):
+``torch.optim``'s, with the float32 master of a float16/bfloat16 parameter in its state under
+:data:`~optbook.masters.MASTER_KEY` (``state[i]["master_param"]``). So the consolidated dict of a bfloat16
+model loads into ``MixedPrecisionOptimizer(optimizer_class(...))`` on one process and back. A dict written
+before this layout (the masters under a top-level ``"master_params"``: ``{index: master}``) still loads.
+
 :class:`Zero1Checkpoints` holds these methods for :class:`~optbook.distributed.DistributedOptimizer` (its only
 user): they read the optimizer's ``layout``, ``pieces``, ``optimizer`` (the inner optimizer over the pieces),
 ``master_shards``, ``loss_scaler``, ``skipped_steps`` and its parameter views.
@@ -21,6 +28,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from ..masters import MASTER_KEY
 from ._comm import LOW_PRECISION, check_int
 
 __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
@@ -94,15 +102,17 @@ class Zero1Checkpoints:
             if r.dtype in LOW_PRECISION:
                 masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
         state = {}
-        for index in sorted(flat_state):
-            if flat_state[index]:
-                shape = self.layout.params[index].shape
-                state[index] = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
-                                    and v.numel() == self.layout.params[index].numel else v)
-                                for k, v in flat_state[index].items()}
+        for index in sorted(set(flat_state) | set(masters)):
+            shape = self.layout.params[index].shape
+            entry = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
+                         and v.numel() == self.layout.params[index].numel else v)
+                     for k, v in flat_state.get(index, {}).items()}
+            if index in masters:   # optbook.masters' layout: the master in its parameter's state
+                entry[MASTER_KEY] = masters[index].view(shape)
+            if entry:
+                state[index] = entry
         param_groups = indexed_param_groups(self.param_groups)
         return {"state": state, "param_groups": param_groups,
-                "master_params": {k: v.view(self.layout.params[k].shape) for k, v in sorted(masters.items())},
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
                 "skipped_steps": self.skipped_steps}
 
@@ -114,10 +124,12 @@ class Zero1Checkpoints:
             parameter's shape, ...}}, "param_groups": [{hyperparameters..., "params": [indices]}]}`` with
             parameters numbered in param-group order (as ``torch.optim``, also when groups interleave
             relative to ``model.parameters()``), state tensors on the CPU in the masters' dtype -- plus
-            ``"master_params"`` (``{index: float32 tensor}`` for float16/bfloat16 parameters),
-            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores.
-            It loads into the single-process ``optimizer_class`` (e.g. ``torch.optim.AdamW``) over the same
-            parameters, and into a DistributedOptimizer at any world size.
+            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores. The
+            float32 master of each float16/bfloat16 parameter is in its state under ``"master_param"``
+            (:data:`optbook.masters.MASTER_KEY`: the layout of ``MixedPrecisionOptimizer``). It loads into a
+            DistributedOptimizer at any world size, into the single-process ``optimizer_class`` (e.g.
+            ``torch.optim.AdamW``) over the same float32/float64 parameters, and, for a float16/bfloat16
+            model, into ``MixedPrecisionOptimizer(optimizer_class(...))`` over them.
 
         Raises:
             RuntimeError: not consolidated on this rank since the last step.
@@ -133,15 +145,18 @@ class Zero1Checkpoints:
         single-process ``optimizer_class`` over the same parameters). Not a collective: call it on every
         rank with the same dict; each rank keeps its own pieces.
 
-        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); ``master_params``,
-        when present, become the masters and are rounded into the model parameters; ``loss_scaler`` and
+        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); a parameter's
+        ``state[i]["master_param"]`` (:mod:`optbook.masters`' layout; also a ``MixedPrecisionOptimizer``'s
+        dict), when present, becomes its master and is rounded into the model parameter (a dict of the
+        older layout, masters under a top-level ``"master_params"``, loads the same); ``loss_scaler`` and
         ``skipped_steps``, when present, are restored.
 
         Raises:
             TypeError, ValueError: not a dict with ``state`` and ``param_groups``; another number of groups or
                 of parameters per group; a state tensor or master whose shape differs from its parameter's; a
-                loss-scaler state without a scaler, or one the scaler refuses. All found before anything is
-                loaded.
+                master that is not floating point or holds inf/NaN, or one given for a float32/float64
+                parameter (which is its own master); a loss-scaler state without a scaler, or one the scaler
+                refuses. All found before anything is loaded.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from "
@@ -161,21 +176,26 @@ class Zero1Checkpoints:
         owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         kinds = [self._state_kinds({k: v for k, v in g.items() if k != "params"}) for g in saved_groups]
         state: dict[int, dict] = {}
+        masters = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in index_of:
                 raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
                                  "lists")
             index = index_of[saved_id]
+            if isinstance(entry, dict) and MASTER_KEY in entry:
+                masters[index] = self._checked_master(f"state[{saved_id!r}][{MASTER_KEY!r}]",
+                                                      entry[MASTER_KEY], index)
+                entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+                if not entry:   # a master saved before the first step: no optimizer state yet
+                    continue
             self._check_state_entry(f"state[{saved_id!r}]", entry, kinds[owner_group[index]], index)
             state[index] = entry
-        masters = {}
-        for saved_id, value in (state_dict.get("master_params") or {}).items():
+        for saved_id, value in (state_dict.get("master_params") or {}).items():   # the older layout
             index = index_of.get(saved_id)
-            if (index is None or not isinstance(value, torch.Tensor)
-                    or value.shape != self.layout.params[index].shape):
+            if index is None:
                 raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a "
                                  "parameter's shape")
-            masters[index] = value
+            masters[index] = self._checked_master(f"master_params[{saved_id!r}]", value, index)
         scaler_state = state_dict.get("loss_scaler")
         if scaler_state is not None:
             if self.loss_scaler is None:
@@ -218,6 +238,22 @@ class Zero1Checkpoints:
         # The model's parameters now agree with the loaded masters (or are the masters' own storage); a
         # weights-only reload made before this load is superseded by it.
         self._versions.record(self._params)
+
+    def _checked_master(self, where: str, value, index: int) -> torch.Tensor:
+        """``value`` as the master of parameter ``index``: a finite floating-point tensor of its shape, for a
+        float16/bfloat16 parameter (a float32/float64 one is its own master)."""
+        r = self.layout.params[index]
+        if r.dtype not in LOW_PRECISION:
+            raise ValueError(f"Invalid state_dict: {where} is a master for parameter {index}, which is {r.dtype} "
+                             "and its own master (a state dict of a bfloat16/float16 model?)")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != r.shape:
+            what = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else type(value).__name__)
+            raise ValueError(f"Invalid state_dict: {where} does not match a parameter's shape: expected a "
+                             f"floating-point tensor of shape {tuple(r.shape)}, got {what}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"Invalid state_dict: {where} holds inf or NaN; nothing was loaded")
+        return value
 
     def _state_kinds(self, hyper: dict) -> dict:
         """``{state key: element-wise?}`` of the inner optimizer's per-parameter state under the group
@@ -336,7 +372,9 @@ class Zero1Checkpoints:
         if whole:
             self.load_state_dict(consolidated)
             return
-        consolidated["master_params"] = {}  # other ranks' parts are absent: restore only this rank's below
+        for entry in consolidated["state"].values():  # other ranks' parts are absent: only this rank's, below
+            entry.pop(MASTER_KEY, None)
+        consolidated["state"] = {k: v for k, v in consolidated["state"].items() if v}
         self.load_state_dict(consolidated)
         with torch.no_grad():  # the pieces equal the saved ones (checked above)
             for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
