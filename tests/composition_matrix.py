@@ -32,7 +32,7 @@ import copy
 import io
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,12 +62,13 @@ STEPS = 4
 #: (optimizer, wrapper, feature) -> reason: a failure expected until it is fixed (the test marks these cells
 #: xfail, strict: a fix shows up as a pass to be recorded; the table shows them as failures).
 KNOWN: dict[tuple[str, str, str], str] = {}
-_NO_DCP = ("torch.distributed.checkpoint calls the optimizer's state_dict(), which this wrapper gives only "
-           "after consolidate_state_dict() (a collective), and reads its state, which the wrapper keeps "
-           "inside")
-for _w, _opts in (("DistributedOptimizer (ZeRO-1)", ("SGD", "AdamW", "ScheduleFreeAdamW")),
-                  ("DistributedChain", ("SGD", "AdamW", "Muon", "ScheduleFreeAdamW")),
-                  ("LayerWiseMuon", ("Muon",)), ("DistributedMuon", ("Muon",))):
+_NO_DCP = ("torch.distributed.checkpoint calls the optimizer's state_dict() on every rank, which LayerWiseMuon "
+           "and DistributedMuon give only after consolidate_state_dict() (ZeRO-1's consolidates on every rank "
+           "then)")
+for _w, _opts in (("DistributedChain", ("SGD", "AdamW", "Muon", "ScheduleFreeAdamW")),
+                  ("DistributedChain, bfloat16", ("SGD", "AdamW", "Muon", "ScheduleFreeAdamW")),
+                  ("LayerWiseMuon", ("Muon",)), ("LayerWiseMuon, bfloat16", ("Muon",)),
+                  ("DistributedMuon", ("Muon",))):
     for _o in _opts:
         for _f in ("DCP full", "DCP sharded"):
             KNOWN[(_o, _w, _f)] = _NO_DCP
@@ -230,6 +231,7 @@ def _run_dcp(s: Setup, opt_name: str, wrapper: str, full: bool = True) -> str:
         for k in range(2):
             _grads(s.params, k)
             s.wrapper.step()
+            s.wrapper.zero_grad(set_to_none=True)   # as a loop does: DCP then primes unless it sees state
             _ref_step(s, k, False)
         saved = dcp.get_optimizer_state_dict(model, s.wrapper, options=options)
         fresh = build(opt_name, wrapper)
@@ -260,6 +262,10 @@ LAYOUT = {"param_alignment": 1, "bucket_alignment": 4}
 #: wrapper -> the optimizers it can meet (every other row is "n/a": LayerWiseMuon, DistributedMuon and
 #: FSDP2Muon are Muon itself). DistributedChain: LayerWiseMuon on the first matrix and a ZeRO-1
 #: DistributedOptimizer of the row's optimizer on the second (Muon's row: ZeRO-1 AdamW).
+#: A name ending in LOW (", bfloat16") is the same wrapper over a bfloat16 model: it keeps float32 masters (the
+#: reference: the plain optimizer over float32 masters of the bfloat16 model, fed its bfloat16 gradients, as
+#: MixedPrecisionOptimizer on one process; the model must be the masters rounded) or refuses.
+LOW = ", bfloat16"
 DIST_WRAPPERS = {
     "DistributedOptimizer (ZeRO-1)": tuple(OPTIMIZERS),
     "DistributedChain": tuple(OPTIMIZERS),
@@ -267,6 +273,7 @@ DIST_WRAPPERS = {
     "DistributedMuon": ("Muon",),
     "FSDP2Muon": ("Muon",),
 }
+DIST_WRAPPERS.update({w + LOW: opts for w, opts in list(DIST_WRAPPERS.items())})
 #: The single-process wrappers have no other world size.
 ONE_PROCESS_ONLY = ("save -> load at another world size",)
 
@@ -281,6 +288,7 @@ class DistSetup:
     refs: list
     ref_params: list
     has_scaler: bool
+    low: bool = False    # a bfloat16 model; ref_params are float32 masters
 
 
 def _full(t):
@@ -289,18 +297,22 @@ def _full(t):
 
 def build_distributed(opt_name: str, wrapper: str, group, weights=None, max_grad_norm=None,
                       scaler=False) -> DistSetup:
-    """The wrapper over a float64 model starting at ``weights`` (default: :func:`_start`'s), on ``group``."""
+    """The wrapper over a float64 model (a bfloat16 one for a name ending in :data:`LOW`) starting at ``weights``
+    (default: :func:`_start`'s), on ``group``."""
     from optbook.distributed import DistributedChain, DistributedMuon, DistributedOptimizer, LayerWiseMuon
     from optbook.distributed.fsdp2 import FSDP2Muon
     from optbook.precision import ConstantLossScaler
 
     cls, hyper = OPTIMIZERS[opt_name]
-    params = _start(torch.float64)
+    low = wrapper.endswith(LOW)
+    wrapper = wrapper.removesuffix(LOW)
+    params = _start(torch.bfloat16 if low else torch.float64)
     if weights is not None:
         with torch.no_grad():
             for p, w in zip(params, weights):
                 p.copy_(w)
-    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    ref_params = [p.detach().to(torch.float32 if low else torch.float64, copy=True).requires_grad_()
+                  for p in params]
     model = _Module(params)
     clip = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
     if wrapper == "DistributedOptimizer (ZeRO-1)":
@@ -322,7 +334,7 @@ def build_distributed(opt_name: str, wrapper: str, group, weights=None, max_grad
         w = FSDP2Muon(list(model.parameters()), **clip, **MUON_HYPER)
     else:  # pragma: no cover - a column added without a builder
         raise KeyError(wrapper)
-    return DistSetup(w, model, references(opt_name, wrapper, ref_params), ref_params, scaler)
+    return DistSetup(w, model, references(opt_name, wrapper, ref_params), ref_params, scaler, low)
 
 
 #: Muon inside the distributed wrappers and their references: Newton-Schulz in float64, as the model.
@@ -332,6 +344,7 @@ MUON_HYPER = {**OPTIMIZERS["Muon"][1], "ns_dtype": torch.float64}
 def references(opt_name: str, wrapper: str, ref_params: list) -> list:
     """The single-process reference of a distributed cell: the plain optimizers, stepped in turn."""
     cls, hyper = OPTIMIZERS[opt_name]
+    wrapper = wrapper.removesuffix(LOW)
     if wrapper == "DistributedChain":
         ocls, ohyper = OPTIMIZERS["AdamW" if opt_name == "Muon" else opt_name]
         return [Muon([ref_params[0]], **MUON_HYPER), ocls([ref_params[1]], **ohyper)]
@@ -343,7 +356,7 @@ def references(opt_name: str, wrapper: str, ref_params: list) -> list:
 def _dist_grads(s: DistSetup, k: int, rank: int, bad: bool = False) -> None:
     """Every rank gets step ``k``'s gradient (so the mean over the ranks is it, exactly: (g + g) / 2 = g);
     with ``bad``, rank 0's gradient of parameter 1 holds an inf (the others are finite)."""
-    full = [torch.empty(p.shape, dtype=torch.float64) for p in s.model.parameters()]
+    full = [torch.empty(p.shape, dtype=p.dtype) for p in s.model.parameters()]
     _grads(full, k)
     for p, g in zip(s.model.parameters(), full):
         if hasattr(p, "device_mesh"):
@@ -357,7 +370,11 @@ def _dist_grads(s: DistSetup, k: int, rank: int, bad: bool = False) -> None:
 
 
 def _ref_dist_step(s: DistSetup, k: int, clip: bool) -> None:
-    _grads(s.ref_params, k)
+    """The reference's step ``k``: the model's gradients (bfloat16 ones in float32, for float32 masters)."""
+    model_grads = [torch.empty(r.shape, dtype=torch.bfloat16 if s.low else torch.float64) for r in s.ref_params]
+    _grads(model_grads, k)
+    for r, g in zip(s.ref_params, model_grads):
+        r.grad = g.grad.to(r.dtype)
     if clip:
         clip_grad_norm_(s.ref_params, MAX_GRAD_NORM)
     for r in s.refs:
@@ -376,7 +393,8 @@ def _dist_compare(s: DistSetup) -> tuple[float, str | None]:
         a = _full(p.detach())
         if a.shape != r.shape:
             return math.inf, f"parameter {i} has shape {tuple(a.shape)}"
-        worst = max(worst, float((a - r.detach()).abs().max()))
+        # a bfloat16 model must be its float32 masters rounded: compared with the reference's rounded
+        worst = max(worst, float((a.double() - r.detach().to(a.dtype).double()).abs().max()))
     if worst > DIST_TOLERANCE:
         return worst, f"the weights differ from the reference by {worst:.3g}"
     return worst, None
@@ -432,7 +450,7 @@ def run_distributed_cell(opt_name: str, wrapper: str, feature: str, rank: int, g
     """One distributed cell on this rank (a collective: every rank of ``group`` runs it). Returns the outcome
     (module docstring); ``"refused: <type>: <message>"`` when building raises (judged by the test), and for
     "save -> load at another world size" ``"saved"`` once the checkpoint is in the file ``checkpoint``."""
-    has_scaler = wrapper == "DistributedOptimizer (ZeRO-1)"
+    has_scaler = wrapper.removesuffix(LOW) == "DistributedOptimizer (ZeRO-1)"
     clip = feature == "clip"
     skip = feature == "skipped non-finite step"
     try:
@@ -477,7 +495,7 @@ def run_distributed_cell(opt_name: str, wrapper: str, feature: str, rank: int, g
                 saved = save_distributed(s, rank, group)
                 fresh = build_distributed(opt_name, wrapper, group, weights=_weights(s))
                 load_distributed(fresh, saved)
-                s = DistSetup(fresh.wrapper, fresh.model, s.refs, s.ref_params, s.has_scaler)
+                s = replace(s, wrapper=fresh.wrapper, model=fresh.model)
         worst, bad = _dist_compare(s)
         if bad:
             return f"FAIL: {bad}"
@@ -521,12 +539,13 @@ def _run_distributed_dcp(s: DistSetup, opt_name: str, wrapper: str, full: bool, 
     for k in range(2):
         _dist_grads(s, k, rank)
         s.wrapper.step()
+        s.wrapper.zero_grad(set_to_none=True)   # as a loop does: DCP then primes unless it sees state
         _ref_dist_step(s, k, False)
     saved = dcp.get_optimizer_state_dict(s.model, s.wrapper, options=options)
     saved = _broadcast(saved, rank, group) if full else copy.deepcopy(saved)
     fresh = build_distributed(opt_name, wrapper, group, weights=_weights(s))
     dcp.set_optimizer_state_dict(fresh.model, fresh.wrapper, saved, options=options)
-    s = DistSetup(fresh.wrapper, fresh.model, s.refs, s.ref_params, s.has_scaler)
+    s = replace(s, wrapper=fresh.wrapper, model=fresh.model)
     for k in range(2, STEPS):
         _dist_grads(s, k, rank)
         s.wrapper.step()
@@ -545,7 +564,8 @@ def resume_at_other_world_size(opt_name: str, wrapper: str, checkpoint: str) -> 
         saved = torch.load(checkpoint, weights_only=False)
         s = build_distributed(opt_name, wrapper, group, weights=saved["weights"])
         load_distributed(s, saved["optimizer"])
-        s.ref_params = [p.detach().clone().requires_grad_() for p in _start(torch.float64)]
+        s.ref_params = [p.detach().to(torch.float32 if s.low else torch.float64, copy=True).requires_grad_()
+                        for p in _start(torch.bfloat16 if s.low else torch.float64)]
         s.refs = references(opt_name, wrapper, s.ref_params)
         for k in range(SPLIT):
             _ref_dist_step(s, k, False)
@@ -563,9 +583,12 @@ def resume_at_other_world_size(opt_name: str, wrapper: str, checkpoint: str) -> 
 ALL_FEATURES = FEATURES
 #: Refusals by design: (wrapper, optimizer) -> (pattern the error must match, the reason shown in the table).
 NOT_ELEMENTWISE = (r"is not element-wise", "refused: not element-wise")
-REFUSALS = {("DistributedOptimizer (ZeRO-1)", o): NOT_ELEMENTWISE
+NO_MASTERS = (r"no float32 masters", "refused: bfloat16, no float32 masters")
+REFUSALS = {(w, o): NOT_ELEMENTWISE for w in ("DistributedOptimizer (ZeRO-1)", "DistributedOptimizer (ZeRO-1)" + LOW)
             for o in ("Muon", "NorMuon", "Dion", "SOAP")}
-REFUSALS.update({("DistributedChain", o): NOT_ELEMENTWISE for o in ("NorMuon", "Dion", "SOAP")})
+REFUSALS.update({(w, o): NOT_ELEMENTWISE for w in ("DistributedChain", "DistributedChain" + LOW)
+                 for o in ("NorMuon", "Dion", "SOAP")})
+REFUSALS.update({(w + LOW, "Muon"): NO_MASTERS for w in ("DistributedMuon", "FSDP2Muon")})
 
 
 def distributed_cells() -> list[tuple[str, str, str]]:
@@ -646,7 +669,8 @@ def render(table: dict) -> str:
             f"size\" saves there and continues on {OTHER_WORLD_SIZE}. `refused`: the combination raises, "
             "naming it, before anything is written. DistributedChain: LayerWiseMuon on one matrix and ZeRO-1 "
             "of the row's optimizer on the other (Muon's row: ZeRO-1 AdamW); LayerWiseMuon, DistributedMuon "
-            "and FSDP2Muon are Muon itself.")
+            f"and FSDP2Muon are Muon itself. `{LOW[2:]}`: the wrapper over a bfloat16 model, against the plain "
+            "optimizer over float32 masters (MixedPrecisionOptimizer's numbers); the model must be them rounded.")
     known = list(dict.fromkeys(KNOWN[c] for c in sorted(KNOWN) if table.get(c, "").startswith("FAIL")))
     lines = [note, "", "| wrapper | optimizer | " + " | ".join(FEATURES) + " |",
              "|---|---|" + "---|" * len(FEATURES)]

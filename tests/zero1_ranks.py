@@ -401,7 +401,8 @@ def _set(params, grads) -> None:
 
 
 def _masters(sd: dict) -> dict:
-    """``{index: float32 master}`` of a consolidated dict (optbook.masters' layout: ``state[i]["master_param"]``)."""
+    """``{index: float32 master}`` of a consolidated dict (optbook.masters' layout:
+    ``state[i]["master_param"]``)."""
     return {i: s["master_param"] for i, s in sd["state"].items() if "master_param" in s}
 
 

@@ -53,6 +53,30 @@ def indexed_param_groups(param_groups: list[dict]) -> list[dict]:
 class Zero1Checkpoints:
     """The checkpoint methods of :class:`~optbook.distributed.DistributedOptimizer` (a mixin)."""
 
+    @property
+    def state(self) -> dict:
+        """``{model parameter: this rank's state of its piece}``: the inner optimizer's state of each piece this
+        rank steps (1-D tensors of the piece's length; the step count), keyed by the model's parameter; a
+        parameter without a piece here, or without state, is absent. A view, rebuilt at each access (writes to
+        the inner dicts go through). ``torch.distributed.checkpoint`` reads whether it is empty to decide on its
+        priming step (``optbook.wrapper.is_priming_step``)."""
+        inner = getattr(self, "optimizer", None)
+        if inner is None:   # torch.optim.Optimizer.__init__, before the inner optimizer exists
+            return {}
+        out = {}
+        for piece, target in zip(self.pieces, self._piece_params):
+            s = inner.state.get(target)
+            if s:
+                out[self._params[piece.index]] = s
+        return out
+
+    @state.setter
+    def state(self, value) -> None:
+        """Only ``torch.optim.Optimizer.__init__``'s empty dict: the state lives in the inner optimizer."""
+        if value:
+            raise AttributeError("DistributedOptimizer.state is a view of the inner optimizer's state; load a "
+                                 "state dict instead")
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on group rank ``to`` (a collective), for :meth:`state_dict`.
 
@@ -71,7 +95,14 @@ class Zero1Checkpoints:
         world = self.process_group is dist.group.WORLD
         dst = to if world else dist.get_global_rank(self.process_group, to)
         dist.gather_object(local, gathered, dst=dst, group=self.process_group)
-        self._consolidated = self._assemble(gathered) if self.rank == to else None
+        self._consolidated = (to, self._assemble(gathered) if self.rank == to else None)
+
+    def _consolidate_everywhere(self) -> dict:
+        """The consolidated dict on every rank (a collective: one ``all_gather_object`` of the pieces)."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, self._local_pieces(), group=self.process_group)
+        self._consolidated = ("every rank", self._assemble(gathered))
+        return self._consolidated[1]
 
     def _local_pieces(self) -> list[tuple]:
         """``(index, param_start, param_end, state, master or None)`` per piece of this rank, on the CPU."""
@@ -117,28 +148,35 @@ class Zero1Checkpoints:
                 "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
-        """The consolidated state on the rank that :meth:`consolidate_state_dict` sent it to.
+        """The consolidated state: on the rank that :meth:`consolidate_state_dict` sent it to; or, when nothing
+        was consolidated since the last step or load, on every rank (then a collective: every rank calls it, as
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and ``set_optimizer_state_dict``
+        do -- so DCP's full and sharded state dicts of a replicated model work, each rank holding the whole
+        state; the last one is kept until the next step or load).
 
         Returns:
             The plain ``torch.optim`` layout -- ``{"state": {index: {"step": ..., "exp_avg": tensor of the
             parameter's shape, ...}}, "param_groups": [{hyperparameters..., "params": [indices]}]}`` with
             parameters numbered in param-group order (as ``torch.optim``, also when groups interleave
             relative to ``model.parameters()``), state tensors on the CPU in the masters' dtype -- plus
-            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores. The
-            float32 master of each float16/bfloat16 parameter is in its state under ``"master_param"``
+            ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores.
+            The float32 master of each float16/bfloat16 parameter is in its state under ``"master_param"``
             (:data:`optbook.masters.MASTER_KEY`: the layout of ``MixedPrecisionOptimizer``). It loads into a
             DistributedOptimizer at any world size, into the single-process ``optimizer_class`` (e.g.
             ``torch.optim.AdamW``) over the same float32/float64 parameters, and, for a float16/bfloat16
             model, into ``MixedPrecisionOptimizer(optimizer_class(...))`` over them.
 
         Raises:
-            RuntimeError: not consolidated on this rank since the last step.
+            RuntimeError: consolidated on another rank since the last step (call it on that rank).
         """
         if self._consolidated is None:
-            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; "
-                               "call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
-                               "on that rank")
-        return self._consolidated
+            return self._consolidate_everywhere()
+        to, consolidated = self._consolidated
+        if consolidated is None:
+            raise RuntimeError(f"DistributedOptimizer.state_dict: the state was consolidated on rank {to}, this is "
+                               f"rank {self.rank}; call state_dict() on rank {to}, or consolidate_state_dict(to="
+                               f"{self.rank}) on every rank first")
+        return consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from the
@@ -244,8 +282,8 @@ class Zero1Checkpoints:
         float16/bfloat16 parameter (a float32/float64 one is its own master)."""
         r = self.layout.params[index]
         if r.dtype not in LOW_PRECISION:
-            raise ValueError(f"Invalid state_dict: {where} is a master for parameter {index}, which is {r.dtype} "
-                             "and its own master (a state dict of a bfloat16/float16 model?)")
+            raise ValueError(f"Invalid state_dict: {where} is a master for parameter {index}, which is "
+                             f"{r.dtype} and its own master (a state dict of a bfloat16/float16 model?)")
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != r.shape:
             what = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                     else type(value).__name__)

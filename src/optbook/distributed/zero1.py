@@ -193,7 +193,7 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
         self.found_inf = False
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self._consolidated: dict | None = None
+        self._consolidated: tuple | None = None   # (rank or "every rank", the dict there or None)
         self._params = all_params
         self._index_of = {id(p): i for i, p in enumerate(all_params)}
         self.device = next(iter(devices))
