@@ -122,6 +122,25 @@ WRAPPERS = {"ChainedOptimizer": (True, False), "MixedPrecisionOptimizer": (True,
             "OffloadOptimizer": (False, False)}
 
 
+def nonfinite_step(wrapper, has_scaler: bool, weights) -> str | None:
+    """Step ``wrapper`` on a gradient holding an inf: skipped and reported with a loss scaler, else
+    ``NonFiniteGradientError``; the weights (``weights()``, copies) untouched either way. ``None`` when so."""
+    before = weights()
+    if has_scaler:
+        wrapper.step()
+        if not (wrapper.found_inf and wrapper.skipped_steps == 1):
+            return "FAIL: the non-finite step was not reported as skipped"
+    else:
+        try:
+            wrapper.step()
+            return "FAIL: a non-finite gradient without a loss scaler did not raise"
+        except NonFiniteGradientError:
+            pass
+    if not all(torch.equal(a, b) for a, b in zip(before, weights())):
+        return "FAIL: the non-finite step wrote the weights"
+    return None
+
+
 def _ref_step(s: Setup, k: int, clip: bool):
     _grads(s.ref_params, k) if not s.low else _copy_grads(s, k)
     if clip:
@@ -175,19 +194,9 @@ def run_cell(opt_name: str, wrapper: str, feature: str) -> str:
     for k in range(STEPS):
         if feature == "skipped non-finite step" and k == 1:
             _grads(s.params, k, bad=True)
-            before = [p.detach().clone() for p in s.params]
-            if has_scaler:
-                s.wrapper.step()
-                if not (s.wrapper.found_inf and s.wrapper.skipped_steps == 1):
-                    return "FAIL: the non-finite step was not reported as skipped"
-            else:
-                try:
-                    s.wrapper.step()
-                    return "FAIL: a non-finite gradient without a loss scaler did not raise"
-                except NonFiniteGradientError:
-                    pass
-            if not all(torch.equal(a, b.detach()) for a, b in zip(before, s.params)):
-                return "FAIL: the non-finite step wrote the weights"
+            bad = nonfinite_step(s.wrapper, has_scaler, lambda: [p.detach().clone() for p in s.params])
+            if bad:
+                return bad
             continue
         _grads(s.params, k)
         if clip and not has_clip:
@@ -465,19 +474,9 @@ def run_distributed_cell(opt_name: str, wrapper: str, feature: str, rank: int, g
         for k in range(STEPS):
             if skip and k == 1:
                 _dist_grads(s, k, rank, bad=True)
-                before = _weights(s)
-                if has_scaler:
-                    s.wrapper.step()
-                    if not (s.wrapper.found_inf and s.wrapper.skipped_steps == 1):
-                        return "FAIL: the non-finite step was not reported as skipped"
-                else:
-                    try:
-                        s.wrapper.step()
-                        return "FAIL: a non-finite gradient without a loss scaler did not raise"
-                    except NonFiniteGradientError:
-                        pass
-                if not all(torch.equal(a, b) for a, b in zip(before, _weights(s))):
-                    return "FAIL: the non-finite step wrote the weights"
+                bad = nonfinite_step(s.wrapper, has_scaler, lambda: _weights(s))
+                if bad:
+                    return bad
                 continue
             if feature == "save -> load at another world size" and k == SPLIT:
                 saved, weights = save_distributed(s, rank, group), _weights(s)
