@@ -16,6 +16,14 @@ The consolidated layout is :mod:`optbook.masters`' (one checkpoint layout for ma
 model loads into ``MixedPrecisionOptimizer(optimizer_class(...))`` on one process and back. A dict written
 before this layout (the masters under a top-level ``"master_params"``: ``{index: master}``) still loads.
 
+``torch.distributed.checkpoint.state_dict``'s ``get_``/``set_optimizer_state_dict`` (full or sharded, with
+``cpu_offload``) work on a replicated model: they call ``state_dict()`` on every rank, which then consolidates
+on every rank (each holds the whole state: ZeRO-1 saves memory in the step, not in such a checkpoint; for
+one file per rank use :meth:`~Zero1Checkpoints.sharded_state_dict`), and the masters travel inside ``state``,
+which DCP keeps. DCP primes an optimizer whose ``state`` is empty (a step at ``lr`` 0 on zero gradients,
+:mod:`optbook.wrapper`); ``state`` here is a view of this rank's pieces' state, so a read after steps does not
+prime again.
+
 :class:`Zero1Checkpoints` holds these methods for :class:`~optbook.distributed.DistributedOptimizer` (its only
 user): they read the optimizer's ``layout``, ``pieces``, ``optimizer`` (the inner optimizer over the pieces),
 ``master_shards``, ``loss_scaler``, ``skipped_steps`` and its parameter views.

@@ -39,8 +39,10 @@ parameters: 4 + 4 + 8/d (the parameter is its own master). Without ZeRO the same
 (Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``). :meth:`DistributedOptimizer.memory_bytes`
 measures it.
 
-Checkpoints come in two kinds: consolidated (the plain ``torch.optim`` layout, any world size) and sharded
-(one file per rank), described in ``_zero1_checkpoints``.
+Checkpoints come in two kinds: consolidated (the plain ``torch.optim`` layout with each float32 master in its
+parameter's state, as :mod:`optbook.masters` writes it; any world size; also what
+``torch.distributed.checkpoint`` reads and writes) and sharded (one file per rank), described in
+``_zero1_checkpoints``.
 """
 
 from __future__ import annotations
