@@ -267,6 +267,10 @@ WORLD_SIZE = 2
 OTHER_WORLD_SIZE = 1
 #: Small ZeRO-1 / DistributedMuon alignments, so that both matrices are cut across the ranks.
 LAYOUT = {"param_alignment": 1, "bucket_alignment": 4}
+#: The bfloat16 ZeRO-1 rows' layout: on 2 ranks the 50 elements all fall in rank 0's shard of the one
+#: 128-element bucket, and rank 1 steps no piece -- a rank that holds no state must still agree with the
+#: others (on DCP's priming, which every rank takes or none).
+PADDING_RANK = {"param_alignment": 1, "bucket_alignment": 128}
 
 #: wrapper -> the optimizers it can meet (every other row is "n/a": LayerWiseMuon, DistributedMuon and
 #: FSDP2Muon are Muon itself). DistributedChain: LayerWiseMuon on the first matrix and a ZeRO-1
@@ -324,9 +328,9 @@ def build_distributed(opt_name: str, wrapper: str, group, weights=None, max_grad
                   for p in params]
     model = _Module(params)
     clip = {} if max_grad_norm is None else {"max_grad_norm": max_grad_norm}
-    if wrapper == "DistributedOptimizer (ZeRO-1)":
+    if wrapper == "DistributedOptimizer (ZeRO-1)":   # bfloat16: rank 1 holds padding only (LAYOUT's note)
         w = DistributedOptimizer(params, cls, group, loss_scaler=ConstantLossScaler(1.0) if scaler else None,
-                                 **clip, **LAYOUT, **hyper)
+                                 **clip, **(PADDING_RANK if low else LAYOUT), **hyper)
     elif wrapper == "DistributedChain":
         ocls, ohyper = OPTIMIZERS["AdamW" if opt_name == "Muon" else opt_name]
         muon = LayerWiseMuon([params[0]], group, **MUON_HYPER)

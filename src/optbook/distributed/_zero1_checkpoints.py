@@ -58,16 +58,33 @@ def indexed_param_groups(param_groups: list[dict]) -> list[dict]:
     return groups
 
 
+class _StateView(dict):
+    """A dict whose truth value is given: whether *any* rank holds state (the same on every rank), so that
+    ``torch.distributed.checkpoint``'s ``if optim.state:`` agrees across ranks even where a rank steps no
+    piece (a small model: its shard is padding) and so holds none -- one rank priming alone would wait in a
+    collective the others never enter."""
+
+    def __init__(self, items: dict, any_rank: bool):
+        super().__init__(items)
+        self.any_rank = any_rank
+
+    def __bool__(self) -> bool:
+        return self.any_rank
+
+
 class Zero1Checkpoints:
     """The checkpoint methods of :class:`~optbook.distributed.DistributedOptimizer` (a mixin)."""
+
+    _has_state = False   # some rank holds state: after an applied (or priming) step, or a load with state
 
     @property
     def state(self) -> dict:
         """``{model parameter: this rank's state of its piece}``: the inner optimizer's state of each piece this
         rank steps (1-D tensors of the piece's length; the step count), keyed by the model's parameter; a
         parameter without a piece here, or without state, is absent. A view, rebuilt at each access (writes to
-        the inner dicts go through). ``torch.distributed.checkpoint`` reads whether it is empty to decide on its
-        priming step (``optbook.wrapper.is_priming_step``)."""
+        the inner dicts go through). Its truth value is whether any rank holds state (the same on every rank):
+        ``torch.distributed.checkpoint`` reads it to decide on its priming step (``optbook.wrapper.
+        is_priming_step``), which every rank must take or none."""
         inner = getattr(self, "optimizer", None)
         if inner is None:   # torch.optim.Optimizer.__init__, before the inner optimizer exists
             return {}
@@ -76,7 +93,7 @@ class Zero1Checkpoints:
             s = inner.state.get(target)
             if s:
                 out[self._params[piece.index]] = s
-        return out
+        return _StateView(out, bool(out) or self._has_state)
 
     @state.setter
     def state(self, value) -> None:
@@ -281,6 +298,7 @@ class Zero1Checkpoints:
                 if piece.index in masters:
                     target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
         self._consolidated = None
+        self._has_state = bool(state)   # the same dict on every rank
         # The model's parameters now agree with the loaded masters (or are the masters' own storage); a
         # weights-only reload made before this load is superseded by it.
         self._versions.record(self._params)

@@ -592,5 +592,6 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         with nonfinite_checked_by_caller([self.optimizer]):
             self.optimizer.step()
+        self._has_state = True   # on every rank alike (the state view's truth value)
         for target in self._piece_params:
             target.grad = None
