@@ -545,3 +545,32 @@ def distributed_suite(rank: int, world_size: int, directory: str) -> None:
         result = run_cell(wrapper, kind, feature, rank, world_size, group, path, phase)
         torch.save(result, cell_file(directory, world_size, index, rank))
         dist.barrier(group=between)
+
+
+# --- the rank program of tests/test_composition_matrix.py ---------------------------------------------------
+def matrix_rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"matrix-rank{rank}.pt")
+
+
+def matrix_checkpoint_file(directory: str, index: int) -> str:
+    return os.path.join(directory, f"matrix-checkpoint-{index}.pt")
+
+
+def matrix_suite(rank: int, world_size: int, directory: str) -> None:
+    """Every distributed cell of the composition matrix (``composition_matrix.distributed_cells``) on this
+    rank, each on a process group of its own (made just before it, in the same order on every rank: a cell
+    that leaves one rank waiting gives up after :data:`CELL_TIMEOUT`, and the ranks meet in a barrier on a
+    group that waits longer before the next cell). The outcomes so far are written to
+    :func:`matrix_rank_file` after each cell."""
+    from composition_matrix import distributed_cells, run_distributed_cell
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=CELL_TIMEOUT)
+    between = dist.new_group(list(range(world_size)), timeout=6 * timeout)
+    outcomes = {}
+    for index, (opt_name, wrapper, feature) in enumerate(distributed_cells()):
+        group = dist.new_group(list(range(world_size)), timeout=timeout)
+        outcomes[(opt_name, wrapper, feature)] = run_distributed_cell(
+            opt_name, wrapper, feature, rank, group, matrix_checkpoint_file(directory, index))
+        torch.save(outcomes, matrix_rank_file(directory, rank))
+        dist.barrier(group=between)

@@ -10,6 +10,7 @@ groups of 2, 3 and 4 of them (the smaller groups do not start at global rank 0);
 from the 2-rank checkpoint and the 4-rank run from the 3-rank one.
 """
 
+import copy
 import math
 import multiprocessing
 
@@ -64,14 +65,6 @@ def assert_bitwise(actual, expected):
     for a, e in zip(actual, expected):
         assert a.dtype == e.dtype and a.shape == e.shape
         assert torch.equal(a.view(torch.uint8), e.detach().view(torch.uint8)), (a - e.detach()).abs().max()
-
-
-def split_masters(sd):
-    """A MixedPrecisionOptimizer state dict (optbook.masters' layout: each float32 master under its model
-    parameter's ``state[i]["master_param"]``) as ``(the inner optimizer's part, {index: master})``."""
-    masters = {i: s["master_param"] for i, s in sd["state"].items() if "master_param" in s}
-    state = {i: rest for i, s in sd["state"].items() if (rest := {k: v for k, v in s.items() if k != "master_param"})}
-    return {**sd, "state": state}, masters
 
 
 def assert_state_dicts_equal(actual, expected):
@@ -162,12 +155,26 @@ def test_bfloat16_with_loss_scaling_equals_mixed_precision_adamw_and_every_rank_
         assert r["skipped_steps"] == opt.skipped_steps == 1
         assert r["scales"][-1] == opt.loss_scale
     sd = runs[world_size][0]["bfloat16"]["state_dict"]
-    ref_state, ref_masters = split_masters(ref_sd)
-    assert_state_dicts_equal(sd, ref_state)
+    # optbook.masters' layout, MixedPrecisionOptimizer's: one float32 master per bfloat16 parameter (the
+    # zero-element one included) in its state under "master_param", nothing at the top level
+    assert_state_dicts_equal(sd, ref_sd)
+    assert sorted(i for i, s in sd["state"].items() if "master_param" in s) == list(range(6))
+    assert "master_params" not in sd
     assert sd["loss_scaler"] == ref_sd["loss_scaler"]
-    # one float32 master per bfloat16 parameter, in param-group order (the zero-element one included)
-    assert sorted(sd["master_params"]) == list(range(6))
-    assert_bitwise([sd["master_params"][i] for i in sorted(ref_masters)], [ref_masters[i] for i in sorted(ref_masters)])
+
+
+def test_a_consolidated_bfloat16_checkpoint_loads_into_mixed_precision_on_one_process(runs):
+    """One checkpoint layout for masters: ZeRO-1's consolidated dict is a MixedPrecisionOptimizer's, so it
+    loads into the single-process wrapper over the same model, masters included, and saves back equal."""
+    _, ref = reference(low_precision=True)
+    sd = runs[2][0]["bfloat16"]["state_dict"]
+    params, groups = zero1_problem(0, torch.bfloat16)
+    opt = MixedPrecisionOptimizer(AdamW(groups, lr=0.01), DynamicLossScaler(2.0**10, growth_interval=2,
+                                                                            hysteresis=1))
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert_state_dicts_equal(opt.state_dict(), ref.state_dict())
+    assert_bitwise(opt.master_params(), ref.master_params())
+    assert opt.skipped_steps == 1 and opt.loss_scale == ref.loss_scale
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -188,11 +195,8 @@ def test_a_sharded_checkpoint_resumed_from_each_ranks_own_file_continues_bit_for
             assert r["skipped_steps"] == (1 if low else 0)
         sd = runs[world_size][0][kind + "_sharded_own"]["state_dict"]  # m, v, steps and masters too
         ref = opt.state_dict()
-        ref_state, ref_masters = split_masters(ref) if low else (ref, {})
-        assert_state_dicts_equal(sd, ref_state)
+        assert_state_dicts_equal(sd, ref)   # the masters too, under state[i]["master_param"]
         if low:
-            assert_bitwise([sd["master_params"][i] for i in sorted(ref_masters)],
-                           [ref_masters[i] for i in sorted(ref_masters)])
             assert sd["loss_scaler"] == ref["loss_scaler"]
 
 

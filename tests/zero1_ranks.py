@@ -400,6 +400,12 @@ def _set(params, grads) -> None:
         p.grad = None if g is None else g.clone()
 
 
+def _masters(sd: dict) -> dict:
+    """``{index: float32 master}`` of a consolidated dict (optbook.masters' layout:
+    ``state[i]["master_param"]``)."""
+    return {i: s["master_param"] for i, s in sd["state"].items() if "master_param" in s}
+
+
 def _consolidated_everywhere(opt, world_size: int) -> dict:
     """The consolidated state dict on every rank (one consolidation per rank)."""
     mine = None
@@ -450,7 +456,7 @@ def scaled_weights_survive(rank: int, world_size: int, group=None) -> dict:
     opt = DistributedOptimizer(params, process_group=group, lr=0.01, weight_decay=0.1, **TIGHT)
     _set(params, contract_grads(params, 0))
     opt.step()
-    masters = _consolidated_everywhere(opt, world_size)["master_params"]
+    masters = _masters(_consolidated_everywhere(opt, world_size))
     opt.param_groups[0]["lr"] = 0.0
     contract.scale_weights_(params[0], ROW_FACTOR)
     contract.scale_weights_(params[1], 0.5)
@@ -465,7 +471,7 @@ def scaled_weights_survive(rank: int, world_size: int, group=None) -> dict:
     _set(params, contract_grads(params, 2))
     opt.step()
     after_load = [p.detach().clone() for p in params]
-    masters_after_load = _consolidated_everywhere(opt, world_size)["master_params"]
+    masters_after_load = _masters(_consolidated_everywhere(opt, world_size))
     return {"masters": masters, "scaled": scaled, "after_step": after_step, "loaded": loaded,
             "after_load": after_load, "masters_after_load": masters_after_load}
 

@@ -9,6 +9,21 @@ each rank's pieces of m, v and the masters, with the piece boundaries as layout 
 size) or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 Every load validates the whole dict before it writes anything.
 
+The consolidated layout is :mod:`optbook.masters`' (one checkpoint layout for masters, as
+:class:`~optbook.precision.MixedPrecisionOptimizer` and :class:`~optbook.memory.OffloadOptimizer` write it):
+``torch.optim``'s, with the float32 master of a float16/bfloat16 parameter in its state under
+:data:`~optbook.masters.MASTER_KEY` (``state[i]["master_param"]``). So the consolidated dict of a bfloat16
+model loads into ``MixedPrecisionOptimizer(optimizer_class(...))`` on one process and back. A dict written
+before this layout (the masters under a top-level ``"master_params"``: ``{index: master}``) still loads.
+
+``torch.distributed.checkpoint.state_dict``'s ``get_``/``set_optimizer_state_dict`` (full or sharded, with
+``cpu_offload``) work on a replicated model: they call ``state_dict()`` on every rank, which then consolidates
+on every rank (each holds the whole state: ZeRO-1 saves memory in the step, not in such a checkpoint; for
+one file per rank use :meth:`~Zero1Checkpoints.sharded_state_dict`), and the masters travel inside ``state``,
+which DCP keeps. DCP primes an optimizer whose ``state`` is empty (a step at ``lr`` 0 on zero gradients,
+:mod:`optbook.wrapper`); ``state`` here is a view of this rank's pieces' state, so a read after steps does not
+prime again.
+
 :class:`Zero1Checkpoints` holds these methods for :class:`~optbook.distributed.DistributedOptimizer` (its only
 user): they read the optimizer's ``layout``, ``pieces``, ``optimizer`` (the inner optimizer over the pieces),
 ``master_shards``, ``loss_scaler``, ``skipped_steps`` and its parameter views.
@@ -21,6 +36,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from ..masters import MASTER_KEY
 from ._comm import LOW_PRECISION, check_int
 
 __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
@@ -42,8 +58,49 @@ def indexed_param_groups(param_groups: list[dict]) -> list[dict]:
     return groups
 
 
+class _StateView(dict):
+    """A dict whose truth value is given: whether *any* rank holds state (the same on every rank), so that
+    ``torch.distributed.checkpoint``'s ``if optim.state:`` agrees across ranks even where a rank steps no
+    piece (a small model: its shard is padding) and so holds none -- one rank priming alone would wait in a
+    collective the others never enter."""
+
+    def __init__(self, items: dict, any_rank: bool):
+        super().__init__(items)
+        self.any_rank = any_rank
+
+    def __bool__(self) -> bool:
+        return self.any_rank
+
+
 class Zero1Checkpoints:
     """The checkpoint methods of :class:`~optbook.distributed.DistributedOptimizer` (a mixin)."""
+
+    _has_state = False   # some rank holds state: after an applied (or priming) step, or a load with state
+
+    @property
+    def state(self) -> dict:
+        """``{model parameter: this rank's state of its piece}``: the inner optimizer's state of each piece this
+        rank steps (1-D tensors of the piece's length; the step count), keyed by the model's parameter; a
+        parameter without a piece here, or without state, is absent. A view, rebuilt at each access (writes to
+        the inner dicts go through). Its truth value is whether any rank holds state (the same on every rank):
+        ``torch.distributed.checkpoint`` reads it to decide on its priming step (``optbook.wrapper.
+        is_priming_step``), which every rank must take or none."""
+        inner = getattr(self, "optimizer", None)
+        if inner is None:   # torch.optim.Optimizer.__init__, before the inner optimizer exists
+            return {}
+        out = {}
+        for piece, target in zip(self.pieces, self._piece_params):
+            s = inner.state.get(target)
+            if s:
+                out[self._params[piece.index]] = s
+        return _StateView(out, bool(out) or self._has_state)
+
+    @state.setter
+    def state(self, value) -> None:
+        """Only ``torch.optim.Optimizer.__init__``'s empty dict: the state lives in the inner optimizer."""
+        if value:
+            raise AttributeError("DistributedOptimizer.state is a view of the inner optimizer's state; load a "
+                                 "state dict instead")
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on group rank ``to`` (a collective), for :meth:`state_dict`.
@@ -63,7 +120,14 @@ class Zero1Checkpoints:
         world = self.process_group is dist.group.WORLD
         dst = to if world else dist.get_global_rank(self.process_group, to)
         dist.gather_object(local, gathered, dst=dst, group=self.process_group)
-        self._consolidated = self._assemble(gathered) if self.rank == to else None
+        self._consolidated = (to, self._assemble(gathered) if self.rank == to else None)
+
+    def _consolidate_everywhere(self) -> dict:
+        """The consolidated dict on every rank (a collective: one ``all_gather_object`` of the pieces)."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, self._local_pieces(), group=self.process_group)
+        self._consolidated = ("every rank", self._assemble(gathered))
+        return self._consolidated[1]
 
     def _local_pieces(self) -> list[tuple]:
         """``(index, param_start, param_end, state, master or None)`` per piece of this rank, on the CPU."""
@@ -94,54 +158,68 @@ class Zero1Checkpoints:
             if r.dtype in LOW_PRECISION:
                 masters.setdefault(r.index, torch.zeros(r.numel, dtype=torch.float32))
         state = {}
-        for index in sorted(flat_state):
-            if flat_state[index]:
-                shape = self.layout.params[index].shape
-                state[index] = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
-                                    and v.numel() == self.layout.params[index].numel else v)
-                                for k, v in flat_state[index].items()}
+        for index in sorted(set(flat_state) | set(masters)):
+            shape = self.layout.params[index].shape
+            entry = {k: (v.view(shape) if isinstance(v, torch.Tensor) and v.dim() == 1
+                         and v.numel() == self.layout.params[index].numel else v)
+                     for k, v in flat_state.get(index, {}).items()}
+            if index in masters:   # optbook.masters' layout: the master in its parameter's state
+                entry[MASTER_KEY] = masters[index].view(shape)
+            if entry:
+                state[index] = entry
         param_groups = indexed_param_groups(self.param_groups)
         return {"state": state, "param_groups": param_groups,
-                "master_params": {k: v.view(self.layout.params[k].shape) for k, v in sorted(masters.items())},
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
                 "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
-        """The consolidated state on the rank that :meth:`consolidate_state_dict` sent it to.
+        """The consolidated state: on the rank that :meth:`consolidate_state_dict` sent it to; or, when nothing
+        was consolidated since the last step or load, on every rank (then a collective: every rank calls it, as
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and ``set_optimizer_state_dict``
+        do -- so DCP's full and sharded state dicts of a replicated model work, each rank holding the whole
+        state; the last one is kept until the next step or load).
 
         Returns:
             The plain ``torch.optim`` layout -- ``{"state": {index: {"step": ..., "exp_avg": tensor of the
             parameter's shape, ...}}, "param_groups": [{hyperparameters..., "params": [indices]}]}`` with
             parameters numbered in param-group order (as ``torch.optim``, also when groups interleave
             relative to ``model.parameters()``), state tensors on the CPU in the masters' dtype -- plus
-            ``"master_params"`` (``{index: float32 tensor}`` for float16/bfloat16 parameters),
             ``"loss_scaler"`` (its state or ``None``) and ``"skipped_steps"``, which ``torch.optim`` ignores.
-            It loads into the single-process ``optimizer_class`` (e.g. ``torch.optim.AdamW``) over the same
-            parameters, and into a DistributedOptimizer at any world size.
+            The float32 master of each float16/bfloat16 parameter is in its state under ``"master_param"``
+            (:data:`optbook.masters.MASTER_KEY`: the layout of ``MixedPrecisionOptimizer``). It loads into a
+            DistributedOptimizer at any world size, into the single-process ``optimizer_class`` (e.g.
+            ``torch.optim.AdamW``) over the same float32/float64 parameters, and, for a float16/bfloat16
+            model, into ``MixedPrecisionOptimizer(optimizer_class(...))`` over them.
 
         Raises:
-            RuntimeError: not consolidated on this rank since the last step.
+            RuntimeError: consolidated on another rank since the last step (call it on that rank).
         """
         if self._consolidated is None:
-            raise RuntimeError(f"DistributedOptimizer.state_dict: nothing consolidated on rank {self.rank}; "
-                               "call consolidate_state_dict(to=rank) on every rank first, then state_dict() "
-                               "on that rank")
-        return self._consolidated
+            return self._consolidate_everywhere()
+        to, consolidated = self._consolidated
+        if consolidated is None:
+            raise RuntimeError(f"DistributedOptimizer.state_dict: the state was consolidated on rank {to}, this is "
+                               f"rank {self.rank}; call state_dict() on rank {to}, or consolidate_state_dict(to="
+                               f"{self.rank}) on every rank first")
+        return consolidated
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from the
         single-process ``optimizer_class`` over the same parameters). Not a collective: call it on every
         rank with the same dict; each rank keeps its own pieces.
 
-        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); ``master_params``,
-        when present, become the masters and are rounded into the model parameters; ``loss_scaler`` and
+        Hyperparameters of ``param_groups`` are taken from the dict (as ``torch.optim``); a parameter's
+        ``state[i]["master_param"]`` (:mod:`optbook.masters`' layout; also a ``MixedPrecisionOptimizer``'s
+        dict), when present, becomes its master and is rounded into the model parameter (a dict of the
+        older layout, masters under a top-level ``"master_params"``, loads the same); ``loss_scaler`` and
         ``skipped_steps``, when present, are restored.
 
         Raises:
             TypeError, ValueError: not a dict with ``state`` and ``param_groups``; another number of groups or
                 of parameters per group; a state tensor or master whose shape differs from its parameter's; a
-                loss-scaler state without a scaler, or one the scaler refuses. All found before anything is
-                loaded.
+                master that is not floating point or holds inf/NaN, or one given for a float32/float64
+                parameter (which is its own master); a loss-scaler state without a scaler, or one the scaler
+                refuses. All found before anything is loaded.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from "
@@ -161,21 +239,26 @@ class Zero1Checkpoints:
         owner_group = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         kinds = [self._state_kinds({k: v for k, v in g.items() if k != "params"}) for g in saved_groups]
         state: dict[int, dict] = {}
+        masters = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in index_of:
                 raise ValueError(f"Invalid state_dict: state for parameter {saved_id!r}, which no group "
                                  "lists")
             index = index_of[saved_id]
+            if isinstance(entry, dict) and MASTER_KEY in entry:
+                masters[index] = self._checked_master(f"state[{saved_id!r}][{MASTER_KEY!r}]",
+                                                      entry[MASTER_KEY], index)
+                entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+                if not entry:   # a master saved before the first step: no optimizer state yet
+                    continue
             self._check_state_entry(f"state[{saved_id!r}]", entry, kinds[owner_group[index]], index)
             state[index] = entry
-        masters = {}
-        for saved_id, value in (state_dict.get("master_params") or {}).items():
+        for saved_id, value in (state_dict.get("master_params") or {}).items():   # the older layout
             index = index_of.get(saved_id)
-            if (index is None or not isinstance(value, torch.Tensor)
-                    or value.shape != self.layout.params[index].shape):
+            if index is None:
                 raise ValueError(f"Invalid state_dict: master_params[{saved_id!r}] does not match a "
                                  "parameter's shape")
-            masters[index] = value
+            masters[index] = self._checked_master(f"master_params[{saved_id!r}]", value, index)
         scaler_state = state_dict.get("loss_scaler")
         if scaler_state is not None:
             if self.loss_scaler is None:
@@ -215,9 +298,26 @@ class Zero1Checkpoints:
                 if piece.index in masters:
                     target.copy_(masters[piece.index].reshape(-1)[piece.param_start:piece.param_end])
         self._consolidated = None
+        self._has_state = bool(state)   # the same dict on every rank
         # The model's parameters now agree with the loaded masters (or are the masters' own storage); a
         # weights-only reload made before this load is superseded by it.
         self._versions.record(self._params)
+
+    def _checked_master(self, where: str, value, index: int) -> torch.Tensor:
+        """``value`` as the master of parameter ``index``: a finite floating-point tensor of its shape, for a
+        float16/bfloat16 parameter (a float32/float64 one is its own master)."""
+        r = self.layout.params[index]
+        if r.dtype not in LOW_PRECISION:
+            raise ValueError(f"Invalid state_dict: {where} is a master for parameter {index}, which is "
+                             f"{r.dtype} and its own master (a state dict of a bfloat16/float16 model?)")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != r.shape:
+            what = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else type(value).__name__)
+            raise ValueError(f"Invalid state_dict: {where} does not match a parameter's shape: expected a "
+                             f"floating-point tensor of shape {tuple(r.shape)}, got {what}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"Invalid state_dict: {where} holds inf or NaN; nothing was loaded")
+        return value
 
     def _state_kinds(self, hyper: dict) -> dict:
         """``{state key: element-wise?}`` of the inner optimizer's per-parameter state under the group
@@ -336,7 +436,9 @@ class Zero1Checkpoints:
         if whole:
             self.load_state_dict(consolidated)
             return
-        consolidated["master_params"] = {}  # other ranks' parts are absent: restore only this rank's below
+        for entry in consolidated["state"].values():  # other ranks' parts are absent: only this rank's, below
+            entry.pop(MASTER_KEY, None)
+        consolidated["state"] = {k: v for k, v in consolidated["state"].items() if v}
         self.load_state_dict(consolidated)
         with torch.no_grad():  # the pieces equal the saved ones (checked above)
             for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):

@@ -39,8 +39,10 @@ parameters: 4 + 4 + 8/d (the parameter is its own master). Without ZeRO the same
 (Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``). :meth:`DistributedOptimizer.memory_bytes`
 measures it.
 
-Checkpoints come in two kinds: consolidated (the plain ``torch.optim`` layout, any world size) and sharded
-(one file per rank), described in ``_zero1_checkpoints``.
+Checkpoints come in two kinds: consolidated (the plain ``torch.optim`` layout with each float32 master in its
+parameter's state, as :mod:`optbook.masters` writes it; any world size; also what
+``torch.distributed.checkpoint`` reads and writes) and sharded (one file per rank), described in
+``_zero1_checkpoints``.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
         self.found_inf = False
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self._consolidated: dict | None = None
+        self._consolidated: tuple | None = None   # (rank or "every rank", the dict there or None)
         self._params = all_params
         self._index_of = {id(p): i for i, p in enumerate(all_params)}
         self.device = next(iter(devices))
@@ -590,5 +592,6 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         with nonfinite_checked_by_caller([self.optimizer]):
             self.optimizer.step()
+        self._has_state = True   # on every rank alike (the state view's truth value)
         for target in self._piece_params:
             target.grad = None
