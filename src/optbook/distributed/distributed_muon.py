@@ -373,9 +373,10 @@ class DistributedMuon(common.MuonWrapper, Muon):
                 "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
 
     def _state_dict(self) -> dict:
-        """``state_dict()`` (the base runs the hooks): the consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
-        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
-        parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
+        """``state_dict()`` (the base runs the hooks): the consolidated state on the rank
+        :meth:`consolidate_state_dict` sent it to, in the plain ``optbook.optim.Muon`` layout (``{"state":
+        {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``, parameters numbered in param-group
+        order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
         :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
         DistributedMuon at any world size.
 

@@ -139,6 +139,20 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     def _repr_options(self) -> str:
         return f"mesh rank {self.rank} of {self.world_size}, max_grad_norm={self.max_grad_norm}"
 
+    def __getstate__(self) -> dict:
+        """The base's (hooks dropped), without the mesh's process group: read from the mesh again when
+        unpickled (a device mesh pickles; a process group does not)."""
+        group, self.process_group = self.process_group, None
+        try:
+            return super().__getstate__()
+        finally:
+            self.process_group = group
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "process_group" in state and state["process_group"] is None and self.mesh is not None:
+            self.process_group = self.mesh.get_group()
+
     # --- checkpoints: optbook.optim.Muon's layout of the sharded state, the base running the hooks ------------
     def check_state_dict(self, state_dict) -> None:
         """:meth:`optbook.optim.BookOptimizer.check_state_dict` (writes nothing; ``ValueError``/``TypeError``)."""

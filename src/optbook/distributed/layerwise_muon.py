@@ -470,7 +470,8 @@ class LayerWiseMuon(MuonWrapper, Muon):
         self._checked(state_dict)
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        """``load_state_dict(state_dict)`` (the base runs the hooks and :meth:`check_state_dict` first): a plain Muon state dict (from :meth:`state_dict` at any world size, or from
+        """``load_state_dict(state_dict)`` (the base runs the hooks and :meth:`check_state_dict` first): a plain
+        Muon state dict (from :meth:`state_dict` at any world size, or from
         :meth:`optbook.optim.Muon.state_dict`); each rank keeps the momentum (and the float32 masters) of the
         matrices it owns. Not a collective: call it on every rank with the same dict. A dict without
         ``"master_params"`` (a single-process Muon's) takes each bfloat16 master from the parameter as it
