@@ -48,7 +48,8 @@ What the base forwards once, so that every wrapper offers what its inner optimiz
 * ``add_param_group`` (to the single inner optimizer, unless the subclass says otherwise),
   ``zero_grad(set_to_none=...)`` (the model's gradients and every inner optimizer's);
 * pickling (``torch.save``/``copy.deepcopy`` of the object): hooks are dropped, as
-  ``torch.optim.Optimizer.__getstate__`` drops them, so a wrapper with a ``lambda`` hook pickles;
+  ``torch.optim.Optimizer.__getstate__`` drops them, so a wrapper with a ``lambda`` hook pickles; a
+  distributed wrapper's WORLD process group is kept by reference (any other group is refused, naming it);
 * ``repr``, and the per-step report: ``found_inf``, ``skipped_steps``, ``last_grad_norm``
   (:attr:`report`).
 """
@@ -551,9 +552,15 @@ class OptimizerWrapper(torch.optim.Optimizer):
         state = {k: v for k, v in self.__dict__.items() if k not in _HOOK_DICTS}
         state.pop("step", None)
         state.pop("_opt_called", None)
+        for key, value in state.items():
+            if _is_process_group(value):
+                if value is not torch.distributed.group.WORLD:
+                    raise TypeError(f"{type(self).__name__}.{key} is a process group other than WORLD: not pickled")
+                state[key] = _WorldGroup()
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state = {k: torch.distributed.group.WORLD if isinstance(v, _WorldGroup) else v for k, v in state.items()}
         self.__dict__.update(state)
         for name in _HOOK_DICTS:
             if name not in self.__dict__:
@@ -568,6 +575,14 @@ class OptimizerWrapper(torch.optim.Optimizer):
         inner = ",\n  ".join(repr(o).replace("\n", "\n  ") for o in self.inner_optimizers())
         options = self._repr_options()
         return f"{type(self).__name__}(\n  {inner}" + (f",\n  {options}" if options else "") + "\n)"
+
+
+class _WorldGroup:
+    """Pickled for ``torch.distributed.group.WORLD`` (a group does not pickle); unpickled as that process's."""
+
+
+def _is_process_group(value) -> bool:
+    return isinstance(value, getattr(torch.distributed, "ProcessGroup", ()))
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:

@@ -1,28 +1,161 @@
-"""What LayerWiseMuon, DistributedMuon and FSDP2Muon share: Muon's orthogonalised update of full matrices,
-the Muon hyperparameters of a group, byte counting, and the checkpoint helpers
-(consolidation on one rank, the plain Muon state-dict check).
+"""What LayerWiseMuon, DistributedMuon and FSDP2Muon share: their place on :class:`optbook.wrapper.OptimizerWrapper`
+(:class:`MuonWrapper`), the set-up of replicated parameters, Muon's orthogonalised update of full matrices, the
+Muon hyperparameters of a group, byte counting, and the checkpoint helpers (consolidation on one rank, the plain
+Muon state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
+from ..contract import VersionTracker, register_owner
 from ..optim.functional import muon
 from ..optim.muon import orthogonalized_blocks
 from .._checks import check_int, check_number
 from ..optim.optimizer import BookOptimizer, check_hyperparameters
-from ._comm import global_rank, params_difference
+from ..wrapper import OptimizerWrapper
+from ._comm import check_same_params, global_rank, param_name, params_difference
 
-__all__ = ["MUON_KEYS", "check_max_grad_norm", "check_muon_state_dict", "consolidate", "consolidated_state", "hyper",
-           "nbytes", "scaled_orthogonal", "shard_parts"]
+__all__ = ["MUON_KEYS", "MuonWrapper", "check_max_grad_norm", "check_muon_state_dict", "consolidate", "consolidated_state", "hyper",
+           "nbytes", "load_plain", "plain_state_dict", "replicated", "broadcast_from_first", "scaled_orthogonal", "shard_parts"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.functional.muon` takes from a param group.
 MUON_KEYS = tuple(k for k, v in inspect.signature(muon).parameters.items() if v.kind is v.KEYWORD_ONLY)
+
+
+_STATE_DICT_HOOKS = ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+@contextlib.contextmanager
+def _state_dict_hooks_off(opt):
+    """Within the block ``torch.optim``'s own ``state_dict``/``load_state_dict`` run no hook: the wrapper's
+    (:meth:`optbook.wrapper.OptimizerWrapper.state_dict`, ``load_state_dict``) ran them once, around the call."""
+    saved = {name: opt.__dict__[name] for name in _STATE_DICT_HOOKS}
+    opt.__dict__.update({name: OrderedDict() for name in _STATE_DICT_HOOKS})
+    try:
+        yield
+    finally:
+        opt.__dict__.update(saved)
+
+
+def plain_state_dict(opt) -> dict:
+    """``torch.optim.Optimizer.state_dict(opt)`` (the plain Muon layout of ``opt``'s own groups and state,
+    live tensors) without running the state-dict hooks again."""
+    with _state_dict_hooks_off(opt):
+        return torch.optim.Optimizer.state_dict(opt)
+
+
+def load_plain(opt, state_dict: dict) -> None:
+    """:meth:`optbook.optim.BookOptimizer.load_state_dict` of a plain Muon dict into ``opt`` (its checks, a
+    copy of every tensor) without running the load hooks again."""
+    with _state_dict_hooks_off(opt):
+        BookOptimizer.load_state_dict(opt, state_dict)
+
+
+class MuonWrapper(OptimizerWrapper):
+    """The three distributed Muons on the wrapper base: each *is* an :class:`optbook.optim.Muon` (its param
+    groups and its part of the state are its own; a subclass lists ``MuonWrapper`` before ``Muon``) and the
+    wrapper that owns the step around it, so :meth:`optbook.wrapper.OptimizerWrapper.step` runs its phases
+    (``prepare_grads``: validate on every rank and agree, reduce, one ``inf``/``NaN`` check; ``clip_grads``;
+    ``step_with_ready_grads``: the Muon arithmetic on this rank's part; ``publish_weights``) and reports one
+    :class:`~optbook.wrapper.StepReport` per step. It holds no other optimizer (:meth:`inner_optimizers` is
+    empty), so what the base forwards becomes:
+
+    * ``train()``/``eval()``: no-ops (Muon has no modes); ``set_mode(name)`` raises ``AttributeError``;
+    * ``add_param_group``: only while constructing (owners or layout are fixed then), else
+      ``NotImplementedError`` naming the class;
+    * ``state_dict``/``load_state_dict``: the subclass's layout, the hooks run once;
+    * pickling: hooks dropped, the WORLD group kept by reference (:mod:`optbook.wrapper`); the unpickled
+      copy re-reads its parameters' versions and registers as their owner again.
+    """
+
+    #: What is fixed at construction (the refusal of :meth:`add_param_group` names it).
+    _fixed_at_construction = "the owners are assigned"
+
+    def inner_optimizers(self) -> list:
+        return []
+
+    def owned_params(self) -> list[torch.Tensor]:
+        """The parameters this optimizer keeps its own copy of (:func:`optbook.contract.register_owner`)."""
+        return []
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while constructing (``torch.optim.Optimizer.__init__`` adds the groups).
+
+        Raises:
+            NotImplementedError: after construction.
+        """
+        if getattr(self, "_params", None) is not None:
+            name = type(self).__name__
+            raise NotImplementedError(f"{name}.add_param_group: {self._fixed_at_construction} at construction; "
+                                      f"build a new {name} with every group")
+        super(OptimizerWrapper, self).add_param_group(param_group)   # Muon's (the next class after the base)
+
+    def prime(self) -> None:
+        """DCP's priming step (:func:`optbook.wrapper.is_priming_step`): the phases of any step, on every rank
+        (the same collectives, so a rank that judges otherwise is not left waiting). With zero gradients and
+        ``lr`` 0 the momentum it makes is zero and the weights stay: the state a first step starts from."""
+        self.validate()
+        self.prepare_grads()
+        self.clip_grads()
+        self.step_with_ready_grads()
+        self.publish_weights()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if "_versions" in state:
+            state["_versions"] = None   # keyed by this process's tensor ids
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        OptimizerWrapper.__setstate__(self, state)
+        BookOptimizer.__setstate__(self, {})   # the defaults of options newer than the pickle
+        if "_versions" in state and state["_versions"] is None:   # unpickled
+            self._versions = VersionTracker()
+            self._versions.record(self._params)
+            register_owner(self.owned_params(), self)
+
+    def __repr__(self) -> str:
+        options = self._repr_options()
+        return torch.optim.Optimizer.__repr__(self)[:-1] + (f"{options}\n)" if options else ")")
+
+
+def replicated(opt, process_group, world_size: int, who: str, refused: tuple, why: str):
+    """Check the replicated parameters of ``opt`` (built: its groups hold them) and return ``(params, device)``.
+
+    ``refused``: dtypes refused, each naming the parameter, with ``why``; then all on one device; then the
+    same shapes and dtypes on every rank (one collective: :func:`~optbook.distributed._comm.check_same_params`).
+    Writes nothing.
+
+    Raises:
+        ValueError: the first problem found.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        if p.dtype in refused:
+            raise ValueError(f"Invalid params: {param_name(opt.param_groups, i)} is {p.dtype}; {why}")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
+    check_same_params(params, process_group, world_size, who)
+    return params, next(iter(devices)) if devices else None
+
+
+def broadcast_from_first(params, process_group) -> None:
+    """Every rank's ``params`` become the group's rank 0's (one broadcast each; a collective)."""
+    src = global_rank(process_group, 0)
+    with torch.no_grad():
+        for p in params:
+            if p.numel():
+                dist.broadcast(p.data, src=src, group=process_group)
 
 
 def check_max_grad_norm(value):

@@ -24,23 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..clipping import clip_coefficient, grad_sumsq, scale_grads_
-from ..contract import VersionTracker, closure_loss, register_owner
+from ..contract import VersionTracker, register_owner
 from ..optim import Muon
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
 from . import _muon_common as common
-from ._comm import (
-    LOW_PRECISION,
-    all_gather,
-    check_same_params,
-    first_nonfinite,
-    global_rank,
-    group_info,
-    param_name,
-    raise_nonfinite_across,
-    reduce_scatter,
-    validate_on_every_rank,
-)
+from ._comm import LOW_PRECISION, all_gather, first_nonfinite, group_info, raise_nonfinite_across, reduce_scatter
+from ._comm import validate_on_every_rank
 from .zero1 import shard_layout
 
 __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "zero1_comm_bytes"]
@@ -49,7 +39,7 @@ __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "ze
 GATHERS = ("all", "touched")
 
 
-class DistributedMuon(Muon):
+class DistributedMuon(common.MuonWrapper, Muon):
     """Moonlight's distributed Muon (Liu et al. 2025, Algorithm 1): ZeRO-1 element shards, each matrix
     gathered whole for Newton–Schulz (module docstring).
 
@@ -97,6 +87,15 @@ class DistributedMuon(Muon):
         found_inf: always ``False``: a non-finite mean gradient raises, it is never skipped (``found_inf``
             reports a skipped step, as in every wrapper; :mod:`optbook.contract`).
         skipped_steps: always 0 (no loss scaler to skip with); kept in the state dict.
+        report: the last step's :class:`optbook.wrapper.StepReport` (``found_inf``, ``grad_norm``,
+            ``skipped_steps``).
+
+    It is an :class:`optbook.wrapper.OptimizerWrapper` (``MuonWrapper`` of ``optbook.distributed._muon_common``):
+    :meth:`step` is the base's template over the phases ``prepare_grads`` (outside writes taken up, validate
+    and agree, reduce-scatter, the norm and the non-finite flag), ``clip_grads``, ``step_with_ready_grads``
+    (momentum, gather, Newton–Schulz, the local update) and ``publish_weights`` (the all-gather); the base gives
+    ``train()``/``eval()`` (no-ops: Muon has no modes), hooks, ``zero_grad(set_to_none=...)``, pickling and
+    ``repr``; ``add_param_group`` after construction raises ``NotImplementedError`` (the layout is fixed).
 
     Who owns the weights (:mod:`optbook.contract`): the flat parameter buffer is this optimizer's copy of the
     weights, and this rank's shard of it is the truth its next step starts from, so the optimizer registers
@@ -124,50 +123,45 @@ class DistributedMuon(Muon):
         if not isinstance(gather, str) or gather not in GATHERS:
             raise ValueError(f"Invalid gather: expected one of {GATHERS}, got {gather!r}")
         max_grad_norm = common.check_max_grad_norm(max_grad_norm)
-        super().__init__(params, **muon_defaults)
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in enumerate(all_params):
-            if p.dtype in LOW_PRECISION:
-                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is {p.dtype}; DistributedMuon "
-                                 "steps float32 or float64 parameters and keeps no float32 masters (keep float32 "
-                                 "weights and compute in low precision, or use LayerWiseMuon, which keeps float32 "
-                                 "masters of bfloat16 matrices)")
-        devices = {p.device for p in all_params}
-        if len(devices) > 1:
-            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
+        Muon.__init__(self, params, **muon_defaults)
+        all_params, device = common.replicated(
+            self, group, world_size, "DistributedMuon", LOW_PRECISION,
+            "DistributedMuon steps float32 or float64 parameters and keeps no float32 masters (keep float32 "
+            "weights and compute in low precision, or use LayerWiseMuon, which keeps float32 masters of bfloat16 "
+            "matrices)")
         layout = shard_layout(all_params, world_size, bucket_size=bucket_size, param_alignment=param_alignment,
                               bucket_alignment=bucket_alignment)
-        check_same_params(all_params, group, world_size, "DistributedMuon")
         self.process_group, self.rank, self.world_size = group, rank, world_size
         self.gather_dtype, self.gather, self.max_grad_norm = gather_dtype, gather, max_grad_norm
         self._touched = [touched_ranges(layout, b, rank) for b in range(len(layout.buckets))]
         self.layout, self.pieces = layout, layout.pieces(rank)
         self._params = all_params
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self.device = device if device is not None else torch.device("cpu")
         self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
         self._consolidated: dict | None = None
         self._index = {id(p): i for i, p in enumerate(all_params)}
         self._versions = VersionTracker()
+        self._ready: tuple | None = None   # (has_grad, shards, norm) from prepare_grads, for the next phases
+        self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device) for d, n in layout.buffer_numel.items()}
+        self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device) for d, n in layout.buffer_numel.items()}
+        common.broadcast_from_first(all_params, group)
         with torch.no_grad():
-            self.param_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
-                                  for d, n in layout.buffer_numel.items()}
-            self.grad_buffers = {d: torch.zeros(n, dtype=d, device=self.device)
-                                 for d, n in layout.buffer_numel.items()}
-            src = global_rank(group, 0)
-            for p in all_params:
-                if p.numel():
-                    dist.broadcast(p.data, src=src, group=group)
             self._params_to_buffers()
         self._versions.record(all_params)
         register_owner(all_params, self)
 
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "layout", None) is not None:
-            raise NotImplementedError("DistributedMuon.add_param_group: the layout is fixed at construction")
-        super().add_param_group(param_group)
+    _fixed_at_construction = "the layout is fixed"
+
+    def owned_params(self) -> list[torch.Tensor]:
+        """Every parameter (the flat buffer is this optimizer's copy of the weights)."""
+        return list(self._params)
+
+    def _repr_options(self) -> str:
+        return (f"rank {self.rank} of {self.world_size}, gather={self.gather!r}, gather_dtype={self.gather_dtype}, "
+                f"max_grad_norm={self.max_grad_norm}")
 
     @property
     def momentum_shard(self) -> dict[int, torch.Tensor]:
@@ -180,7 +174,7 @@ class DistributedMuon(Muon):
             r = self.layout.params[i]
             self.param_buffers[r.dtype][r.start:r.end].copy_(self._params[i].detach().reshape(-1))
 
-    def _take_up_outside_writes(self) -> None:
+    def take_up_outside_writes(self) -> None:
         """Copy every parameter written since this optimizer's last write into the flat buffer (the step
         contract's outside writes; host integers only, no device synchronisation)."""
         changed = self._versions.changed(self._params)
@@ -205,7 +199,7 @@ class DistributedMuon(Muon):
         if isinstance(factor, torch.Tensor) and not _broadcasts_to(factor, param):
             raise ValueError(f"Invalid factor: shape {tuple(factor.shape)} on {factor.device} does not "
                                  f"broadcast to parameter {i}'s shape {tuple(param.shape)} on {param.device}")
-        self._take_up_outside_writes()
+        self.take_up_outside_writes()
         r = self.layout.params[i]
         weights = self.param_buffers[r.dtype][r.start:r.end].view(r.shape)
         weights.mul_(factor)
@@ -217,12 +211,14 @@ class DistributedMuon(Muon):
         lo, hi = bucket.shard(self.rank)
         return buffers[bucket.dtype][lo:hi]
 
+    # --- the step in public phases (optbook.wrapper's template runs them) -------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
-        """One distributed Muon step (a collective; the class docstring's sequence).
+    def prepare_grads(self) -> bool:
+        """Phase 1 (a collective): outside writes taken up, validate on every rank and agree, reduce-scatter the
+        mean gradient into this rank's shards, one all-reduce of their sum of squares and non-finite flag.
 
         Returns:
-            The closure's loss, or ``None``.
+            ``False`` (no loss scaler: a non-finite mean gradient raises, it is never skipped).
 
         Raises:
             ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
@@ -230,8 +226,8 @@ class DistributedMuon(Muon):
             optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
                 naming the parameter, before anything is written.
         """
-        loss = closure_loss(closure)
-        self._take_up_outside_writes()
+        self._ready = None
+        self.take_up_outside_writes()
         has_grad = validate_on_every_rank(self, "DistributedMuon")
         self._consolidated = None
         # 1. reduce-scatter the flat gradients, mean
@@ -259,10 +255,29 @@ class DistributedMuon(Muon):
                 p.buffer_start:p.buffer_start + p.numel] for p in self.pieces])
             raise_nonfinite_across("DistributedMuon", None if bad is None else self.pieces[bad].index,
                                    self.param_groups, self.process_group, self.device)
-        norm = math.sqrt(float(stats[0]))
+        self._ready = (has_grad, shards, math.sqrt(float(stats[0])))
+        return False
+
+    def _prepared(self) -> tuple:
+        if self._ready is None:
+            raise RuntimeError("DistributedMuon: call prepare_grads() first (nothing written)")
+        return self._ready
+
+    @torch.no_grad()
+    def clip_grads(self) -> float:
+        """Phase 2 (local): the global norm of the mean gradient (from :meth:`prepare_grads`'s all-reduce; kept
+        in :attr:`last_grad_norm` and returned), and the shards clipped by ``max_grad_norm`` when set."""
+        _, shards, norm = self._prepared()
         self.last_grad_norm = norm
-        coef = clip_coefficient(norm, self.max_grad_norm)
-        scale_grads_(shards, coef)
+        scale_grads_(shards, clip_coefficient(norm, self.max_grad_norm))
+        return norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Phase 3 (a collective): momentum on this rank's pieces, the gather of the full matrices, Newton–Schulz,
+        this rank's part of the update into the flat parameter buffer; :meth:`publish_weights` follows."""
+        has_grad = self._prepared()[0]
+        self._ready = None
         # 3. momentum on this rank's pieces; the directions into a gather buffer
         groups = [self._read_floats(g) for g in self.param_groups]
         directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
@@ -314,6 +329,10 @@ class DistributedMuon(Muon):
                 w = self.param_buffers[r.dtype][piece.buffer_start:piece.buffer_start + piece.numel]
                 w.mul_(1 - g["lr"] * g["weight_decay"])
                 w.sub_(upd.reshape(-1)[piece.param_start:piece.param_end], alpha=g["lr"])
+
+    @torch.no_grad()
+    def publish_weights(self) -> None:
+        """Phase 4 (a collective): all-gather the parameter shards, back into the model."""
         # 6. all-gather the parameters, back into the model
         for b, bucket in enumerate(self.layout.buckets):
             if bucket.numel:
@@ -324,7 +343,6 @@ class DistributedMuon(Muon):
             if r.numel:
                 p.data.copy_(self.param_buffers[r.dtype][r.start:r.end].view(r.shape))
         self._versions.record(self._params)
-        return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -350,14 +368,15 @@ class DistributedMuon(Muon):
         for part in parts:
             for index, start, end, m in part:
                 buffers.setdefault(index, torch.zeros(self.layout.params[index].numel, dtype=m.dtype))[start:end] = m
-        plain = super().state_dict()  # param_groups with indices in param-group order
+        plain = common.plain_state_dict(self)  # param_groups with indices in param-group order
         return {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)} for i in sorted(buffers)},
                 "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
 
-    def state_dict(self) -> dict:
-        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to, in the plain
-        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``,
-        parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
+    def _state_dict(self) -> dict:
+        """``state_dict()`` (the base runs the hooks): the consolidated state on the rank
+        :meth:`consolidate_state_dict` sent it to, in the plain ``optbook.optim.Muon`` layout (``{"state":
+        {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``, parameters numbered in param-group
+        order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
         :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
         DistributedMuon at any world size.
 
@@ -366,18 +385,24 @@ class DistributedMuon(Muon):
         """
         return common.consolidated_state(self)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, from
-        :meth:`LayerWiseMuon.state_dict` or from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its
-        pieces of the momentum. Not a collective: call it on every rank with the same dict.
+    def check_state_dict(self, state_dict) -> None:
+        """Check a dict for ``load_state_dict`` without writing anything (group and parameter counts,
+        hyperparameters, state keys, momentum shapes and dtypes, ``skipped_steps``: ``check_muon_state_dict``
+        of ``optbook.distributed._muon_common``).
 
         Raises:
-            TypeError, ValueError: the whole dict is validated first (group and parameter counts,
-                hyperparameters, state keys, momentum shapes: a checkpoint of another model or optimizer is
-                refused); nothing is loaded then.
+            TypeError, ValueError: the first problem found (a checkpoint of another model or optimizer).
         """
-        skipped = common.check_muon_state_dict(state_dict, self)
-        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        common.check_muon_state_dict(state_dict, self)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        """``load_state_dict(state_dict)`` (the base runs the hooks and :meth:`check_state_dict` first): a plain
+        Muon state dict (from :meth:`state_dict` at any world size, from :meth:`LayerWiseMuon.state_dict` or
+        from :meth:`optbook.optim.Muon.state_dict`); each rank keeps its pieces of the momentum. Not a
+        collective: call it on every rank with the same dict. Nothing is loaded when the check fails.
+        """
+        skipped = state_dict.get("skipped_steps", self.skipped_steps)   # checked
+        common.load_plain(self, {"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         full = {i: self.state.pop(p)["momentum_buffer"] for i, p in enumerate(self._params)
                 if "momentum_buffer" in self.state.get(p, {})}
         self.state.clear()
@@ -397,7 +422,7 @@ class DistributedMuon(Muon):
             order, "pieces": [(index, param_start, param_end)] of this rank, "momentum": [(index, param_start,
             param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps"}``.
         """
-        plain = super().state_dict()
+        plain = common.plain_state_dict(self)
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq
-from ..contract import closure_loss
 from ..optim import Muon
+from ..optim.optimizer import BookOptimizer
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
 from .._sharded import is_dtensor, local
@@ -55,7 +55,7 @@ def _row_chunks(rows: int, world_size: int) -> list[int]:
     return sizes + [0] * (world_size - len(sizes))
 
 
-class FSDP2Muon(Muon):
+class FSDP2Muon(common.MuonWrapper, Muon):
     """Muon for ``fully_shard``-ed 2-D parameters (``DTensor``, ``Shard(0)`` on a 1-D mesh): each matrix
     orthogonalised once per step by its owner rank (module docstring).
 
@@ -77,6 +77,18 @@ class FSDP2Muon(Muon):
         last_grad_norm: the global gradient norm at the last step (``max_grad_norm`` set), else ``None``.
         found_inf, skipped_steps: the step contract's report (no loss scaler: a non-finite gradient raises
             on every rank, so ``found_inf`` is ``False`` after every completed step).
+        report: the last step's :class:`optbook.wrapper.StepReport` (``found_inf``, ``grad_norm``,
+            ``skipped_steps``).
+
+    It is an :class:`optbook.wrapper.OptimizerWrapper` (``MuonWrapper`` of ``optbook.distributed._muon_common``):
+    :meth:`step` is the base's template over the phases ``prepare_grads`` (every rank's checks agreed over the
+    mesh), ``clip_grads`` (the norm over the shards, with ``max_grad_norm``), ``step_with_ready_grads``
+    (momentum, gather to owners, Newton–Schulz, scatter back, the update of the local rows) and
+    ``publish_weights`` (nothing: FSDP2 all-gathers the rows in the next forward pass). The base gives
+    ``train()``/``eval()`` (no-ops: Muon has no modes), hooks, ``zero_grad(set_to_none=...)``, pickling and
+    ``repr``; ``add_param_group`` after construction raises ``NotImplementedError`` (the owners are fixed).
+    Checkpoints are :class:`optbook.optim.Muon`'s layout over the sharded state (``torch.distributed.checkpoint``
+    reads and writes them).
 
     Raises:
         TypeError: a parameter that is not a ``DTensor`` sharded by rows on a 1-D mesh, or parameters on
@@ -91,7 +103,7 @@ class FSDP2Muon(Muon):
 
     def __init__(self, params, *, max_grad_norm=None, **muon_defaults):
         max_grad_norm = common.check_max_grad_norm(max_grad_norm)
-        super().__init__(params, **muon_defaults)
+        Muon.__init__(self, params, **muon_defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
         mesh = None
         for i, p in enumerate(all_params):
@@ -122,6 +134,35 @@ class FSDP2Muon(Muon):
         self.ns_calls = 0
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
+        self._coefficient: float | None = None   # the clip of this step (clip_grads), for step_with_ready_grads
+
+    def _repr_options(self) -> str:
+        return f"mesh rank {self.rank} of {self.world_size}, max_grad_norm={self.max_grad_norm}"
+
+    def __getstate__(self) -> dict:
+        """The base's (hooks dropped), without the mesh's process group: read from the mesh again when
+        unpickled (a device mesh pickles; a process group does not)."""
+        group, self.process_group = self.process_group, None
+        try:
+            return super().__getstate__()
+        finally:
+            self.process_group = group
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "process_group" in state and state["process_group"] is None and self.mesh is not None:
+            self.process_group = self.mesh.get_group()
+
+    # --- checkpoints: optbook.optim.Muon's layout of the sharded state, the base running the hooks ------------
+    def check_state_dict(self, state_dict) -> None:
+        """:meth:`optbook.optim.BookOptimizer.check_state_dict` (writes nothing; ``ValueError``/``TypeError``)."""
+        BookOptimizer.check_state_dict(self, state_dict)
+
+    def _state_dict(self) -> dict:
+        return common.plain_state_dict(self)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        common.load_plain(self, state_dict)
 
     def _global_rank(self, mesh_rank: int) -> int:
         return dist.get_global_rank(self.process_group, mesh_rank)
@@ -239,12 +280,12 @@ class FSDP2Muon(Muon):
             raise_nonfinite_across("FSDP2Muon", first_nonfinite(local([p.grad for p in self._params])),
                                    self.param_groups, self.process_group, device)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One Muon step of every sharded matrix (a collective: every rank of the mesh calls it).
+    # --- the step in public phases (optbook.wrapper's template runs them) -------------------------------------
+    def prepare_grads(self) -> bool:
+        """Phase 1 of the step (a collective: every rank of the mesh calls :meth:`step`).
 
         Returns:
-            The closure's loss, or ``None``.
+            ``False`` (no loss scaler: a non-finite gradient raises, it is never skipped).
 
         Every rank first checks its hyperparameters and gradients, then one small all-reduce over the mesh
         (12 bytes) agrees on the outcome, on ``inf``/``NaN`` and on which parameters have a gradient, so that
@@ -262,18 +303,34 @@ class FSDP2Muon(Muon):
             optbook.contract.NonFiniteGradientError: a gradient shard holds ``inf`` or ``NaN`` on some rank:
                 every rank raises, nothing written.
         """
-        loss = closure_loss(closure)
+        self._coefficient = None
         self._agree_on_inputs()  # hyperparameters, gradients, the non-finite verdict: agreed over the mesh
+        return False
+
+    @torch.no_grad()
+    def clip_grads(self) -> float | None:
+        """Phase 2 (a collective with ``max_grad_norm``): the global norm over the shards (kept in
+        :attr:`last_grad_norm` and returned) and the clip coefficient for the next phase; ``None`` without."""
+        self._coefficient = 1.0
+        if self.max_grad_norm is None:
+            return None
+        grads = local([p.grad for p in self._params if p.grad is not None])
+        # no gradient on this rank: a zero on the CPU, or on the current GPU for NCCL (it reduces no CPU tensor)
+        mesh_group = dist.group.WORLD if self.process_group is None else self.process_group
+        sumsq = grad_sumsq(grads, device=_reduce_device(grads, mesh_group))
+        dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
+        self.last_grad_norm = float(sumsq.sqrt())
+        self._coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        return self.last_grad_norm
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Phase 3 (a collective): momentum on the local rows, the directions gathered to their owners,
+        Newton–Schulz there, the update scattered back and applied to the local rows."""
+        if self._coefficient is None:
+            raise RuntimeError("FSDP2Muon: call prepare_grads() and clip_grads() first (nothing written)")
+        coefficient, self._coefficient = self._coefficient, None
         groups = [self._read_floats(group) for group in self.param_groups]  # one-element tensors read as floats
-        coefficient = 1.0
-        if self.max_grad_norm is not None:
-            grads = local([p.grad for p in self._params if p.grad is not None])
-            # no gradient on this rank: a zero on the CPU, or on the current GPU for NCCL (it reduces no CPU tensor)
-            mesh_group = dist.group.WORLD if self.process_group is None else self.process_group
-            sumsq = grad_sumsq(grads, device=_reduce_device(grads, mesh_group))
-            dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
-            self.last_grad_norm = float(sumsq.sqrt())
-            coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
         index = 0
         for group in groups:
             entries = []  # (parameter index, parameter, local direction rows)
@@ -309,4 +366,3 @@ class FSDP2Muon(Muon):
                 w = local([p])[0]
                 w.mul_(1 - lr * wd)
                 w.sub_(rows, alpha=lr)
-        return loss

@@ -46,28 +46,23 @@ import torch
 import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads_
-from ..contract import VersionTracker, closure_loss, register_owner
+from ..contract import VersionTracker, register_owner
 from ..optim import Muon
 from ..optim.functional import muon
 from ..masters import take_up_
-from ._comm import (
-    LOW_PRECISION,
-    all_gather,
-    check_same_params,
-    first_nonfinite,
-    global_rank,
-    group_info,
-    param_name,
-    raise_nonfinite_across,
-    validate_on_every_rank,
-)
+from . import _comm
 from ._muon_common import (
+    MuonWrapper,
+    broadcast_from_first,
     check_max_grad_norm,
     check_muon_state_dict,
     consolidate,
     consolidated_state,
     hyper,
+    load_plain,
     nbytes,
+    plain_state_dict,
+    replicated,
     shard_parts,
 )
 from .assignment import lpt_assign, ns_cost, rank_loads, round_robin_assign
@@ -78,7 +73,7 @@ __all__ = ["DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_lo
 
 
 # --- layer-wise: whole matrices per rank --------------------------------------------------------------------
-class LayerWiseMuon(Muon):
+class LayerWiseMuon(MuonWrapper, Muon):
     """Muon with whole-matrix ownership across the ranks of a process group (module docstring).
 
     Build it on every rank with the same parameters (each rank a replica of the model), run the backward
@@ -116,6 +111,14 @@ class LayerWiseMuon(Muon):
             reports a skipped step, as in every wrapper; :mod:`optbook.contract`).
         skipped_steps: steps skipped for non-finite gradients: always 0, as there is no loss scaler to skip
             with (kept in the state dict, as every optbook wrapper's).
+        report: the last step's :class:`optbook.wrapper.StepReport` (``found_inf``, ``grad_norm``,
+            ``skipped_steps``).
+
+    It is an :class:`optbook.wrapper.OptimizerWrapper` (through ``MuonWrapper`` of
+    ``optbook.distributed._muon_common``): :meth:`step` is the base's template over the phases below; the
+    base gives ``train()``/``eval()`` (no-ops: Muon has no modes), the step and state-dict hooks,
+    ``zero_grad(set_to_none=...)``, pickling (hooks dropped) and ``repr``; ``add_param_group`` after
+    construction raises ``NotImplementedError`` (the owners are fixed).
 
     The step (a collective), in public phases (Megatron-LM's names, also ``optbook.wrapper``'s) that
     :class:`~optbook.distributed.DistributedChain` composes (after Megatron-LM's ``prepare_grads`` /
@@ -159,27 +162,21 @@ class LayerWiseMuon(Muon):
 
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
                  **muon_defaults):
-        group, rank, world_size = group_info(process_group)
+        group, rank, world_size = _comm.group_info(process_group)
         if assignment not in ("lpt", "round_robin"):
             raise ValueError(f"Invalid assignment: expected 'lpt' or 'round_robin', got {assignment!r}")
         max_grad_norm = check_max_grad_norm(max_grad_norm)
-        super().__init__(params, **muon_defaults)  # validates parameters and hyperparameters
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in enumerate(all_params):
-            if p.dtype == torch.float16:
-                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is float16, whose small "
-                                 "gradients flush to zero without a loss scaler, which LayerWiseMuon does not "
-                                 "take; use bfloat16 (float32 masters are kept) or float32 parameters")
-        devices = {p.device for p in all_params}
-        if len(devices) > 1:
-            raise ValueError(f"Invalid params: they are on several devices {sorted(map(str, devices))}")
-        check_same_params(all_params, group, world_size, "LayerWiseMuon")
+        Muon.__init__(self, params, **muon_defaults)  # validates parameters and hyperparameters
+        all_params, device = replicated(
+            self, group, world_size, "LayerWiseMuon", (torch.float16,),
+            "its small gradients flush to zero without a loss scaler, which LayerWiseMuon does not take; use "
+            "bfloat16 (float32 masters are kept) or float32 parameters")
         self.process_group, self.rank, self.world_size = group, rank, world_size
         self.max_grad_norm = max_grad_norm
         self.assignment = assignment
         self._params = all_params
         # no parameter: the CPU, or the current GPU for NCCL (its status all-reduce takes no CPU tensor)
-        self.device = next(iter(devices)) if devices else _reduce_device([], group)
+        self.device = device if device is not None else _reduce_device([], group)
         self.costs = [ns_cost(p.shape, g["head_split"]) for g in self.param_groups for p in g["params"]]
         self.owners = (lpt_assign(self.costs, world_size) if assignment == "lpt"
                        else round_robin_assign(len(self.costs), world_size))
@@ -189,33 +186,25 @@ class LayerWiseMuon(Muon):
         self.found_inf, self.skipped_steps = False, 0
         self._consolidated: dict | None = None
         self._mean_grads: list | None = None
-        with torch.no_grad():
-            src = global_rank(group, 0)
-            for p in all_params:
-                if p.numel():
-                    dist.broadcast(p.data, src=src, group=group)
-            self.master_params: dict[int, torch.Tensor] = {
-                i: p.detach().to(torch.float32, copy=True) for i, p in enumerate(all_params)
-                if p.dtype in LOW_PRECISION and self.owners[i] == rank}
-        low = [p for p in all_params if p.dtype in LOW_PRECISION]
+        broadcast_from_first(all_params, group)
+        self.master_params: dict[int, torch.Tensor] = {
+            i: p.detach().to(torch.float32, copy=True) for i, p in enumerate(all_params)
+            if p.dtype in _comm.LOW_PRECISION and self.owners[i] == rank}
         self._versions = VersionTracker()
-        self._versions.record(low)
-        register_owner(low, self)
+        self._versions.record(self.owned_params())
+        register_owner(self.owned_params(), self)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """Only while constructing (the assignment is fixed then).
+    def owned_params(self) -> list[torch.Tensor]:
+        """The bfloat16 parameters (this optimizer keeps their float32 masters)."""
+        return [p for p in self._params if p.dtype in _comm.LOW_PRECISION]
 
-        Raises:
-            NotImplementedError: after construction.
-        """
-        if getattr(self, "owners", None) is not None:
-            raise NotImplementedError("LayerWiseMuon.add_param_group: the owners are assigned at construction; "
-                                      "build a new LayerWiseMuon with every group")
-        super().add_param_group(param_group)
+    def _repr_options(self) -> str:
+        return (f"rank {self.rank} of {self.world_size}, assignment={self.assignment!r}, "
+                f"max_grad_norm={self.max_grad_norm}")
 
     def _expected_state(self, p: torch.Tensor, group: dict) -> dict:
         """The momentum of a bfloat16 parameter is float32 (it updates the float32 master)."""
-        dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+        dtype = torch.float32 if p.dtype in _comm.LOW_PRECISION else p.dtype
         return {"momentum_buffer": (tuple(p.shape), dtype, False)}
 
     def predicted_comm_bytes(self, has_grad=None) -> dict:
@@ -258,7 +247,7 @@ class LayerWiseMuon(Muon):
         """
         self._consolidated = None
         self._mean_grads = None
-        has_grad = validate_on_every_rank(self, type(self).__name__)
+        has_grad = _comm.validate_on_every_rank(self, type(self).__name__)
         mean: list = [None] * len(self._params)
         by_dtype: dict = {}
         for i, p in enumerate(self._params):
@@ -275,9 +264,9 @@ class LayerWiseMuon(Muon):
             flat.div_(self.world_size)
             for i, v in zip(idx, views):
                 mean[i] = v.view(self._params[i].shape)
-        bad = first_nonfinite(mean)   # the same on every rank: the mean is replicated
+        bad = _comm.first_nonfinite(mean)   # the same on every rank: the mean is replicated
         if bad is not None:
-            raise_nonfinite_across(type(self).__name__, bad, self.param_groups, self.process_group, self.device)
+            _comm.raise_nonfinite_across(type(self).__name__, bad, self.param_groups, self.process_group, self.device)
         self._mean_grads = mean
         return False
 
@@ -317,7 +306,7 @@ class LayerWiseMuon(Muon):
         """
         mean = self._prepared()
         self._mean_grads = None
-        self._take_up_outside_writes()
+        self.take_up_outside_writes()
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -353,7 +342,7 @@ class LayerWiseMuon(Muon):
             if mine:
                 send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
             recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
-            all_gather(recv, send, group=self.process_group)
+            _comm.all_gather(recv, send, group=self.process_group)
             self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
             for r, ps in enumerate(per_rank):
                 if r == self.rank:
@@ -364,7 +353,7 @@ class LayerWiseMuon(Muon):
                     offset += p.numel()
         self._versions.record(self._params)
 
-    def _take_up_outside_writes(self) -> None:
+    def take_up_outside_writes(self) -> None:
         """Copy into the owner's float32 master every bfloat16 parameter written since this optimizer's last
         write (the step contract's outside writes; host integers only)."""
         for i in self._versions.changed(self._params):
@@ -382,49 +371,21 @@ class LayerWiseMuon(Muon):
             ValueError: ``param`` is not one of this optimizer's bfloat16 parameters; nothing written.
         """
         i = next((k for k, p in enumerate(self._params) if p is param), None)
-        if i is None or param.dtype not in LOW_PRECISION:
+        if i is None or param.dtype not in _comm.LOW_PRECISION:
             raise ValueError("Invalid param: not a bfloat16 parameter of this LayerWiseMuon")
-        self._take_up_outside_writes()
+        self.take_up_outside_writes()
         if i in self.master_params:
             master = self.master_params[i]
             master.mul_(factor.to(master.device) if isinstance(factor, torch.Tensor) else factor)
             param.copy_(master)
-        dist.broadcast(param.data, src=global_rank(self.process_group, self.owners[i]), group=self.process_group)
+        dist.broadcast(param.data, src=_comm.global_rank(self.process_group, self.owners[i]),
+                       group=self.process_group)
         self._versions.record([param])
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One layer-wise Muon step (a collective): :meth:`prepare_grads`, :meth:`clip_grads`,
-        :meth:`step_with_ready_grads`, :meth:`publish_weights` (the phases of :mod:`optbook.wrapper`).
-
-        Args:
-            closure: optional callable that recomputes the loss and calls ``backward``; run with gradients
-                enabled on every rank.
-
-        Returns:
-            The closure's loss, or ``None``.
-
-        A parameter whose ``grad`` is ``None`` on some ranks contributes zeros from those ranks (the mean
-        still divides by ``d``, as ``DistributedDataParallel``); one whose ``grad`` is ``None`` on every rank
-        is not stepped.
-
-        Raises:
-            ValueError, TypeError: an invalid hyperparameter or gradient on any rank: on every rank, before
-                anything is written (parameters, state and ``.grad`` are bitwise unchanged).
-            optbook.contract.NonFiniteGradientError: a mean gradient holds ``inf`` or ``NaN``: on every rank,
-                naming the parameter, before anything is written.
-        """
-        loss = closure_loss(closure)
-        self.prepare_grads()
-        self.clip_grads()
-        self.step_with_ready_grads()
-        self.publish_weights()
-        return loss
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def _low_indices(self) -> list[int]:
         """The indices (param-group order) of the bfloat16 parameters: the order of ``"master_params"``."""
-        return [i for i, p in enumerate(self._params) if p.dtype in LOW_PRECISION]
+        return [i for i, p in enumerate(self._params) if p.dtype in _comm.LOW_PRECISION]
 
     def _local_state(self) -> tuple[dict, dict]:
         """``({index: state}, {index: master})`` of the matrices this rank owns, on the CPU."""
@@ -455,9 +416,9 @@ class LayerWiseMuon(Muon):
         for part_state, part_masters in gathered:
             state.update(part_state)
             masters.update(part_masters)
-        self._consolidated = self._plain(state, masters, super().state_dict()["param_groups"], self.skipped_steps)
+        self._consolidated = self._plain(state, masters, plain_state_dict(self)["param_groups"], self.skipped_steps)
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to: the plain
         ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups":
         [...]}``, parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``
@@ -478,7 +439,7 @@ class LayerWiseMuon(Muon):
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             low = set(self._low_indices())
             widened = {i: ({k: v.to(torch.float32) if k == "momentum_buffer" and isinstance(v, torch.Tensor)
-                            and v.dtype in LOW_PRECISION else v for k, v in entry.items()}
+                            and v.dtype in _comm.LOW_PRECISION else v for k, v in entry.items()}
                            if i in low and isinstance(entry, dict) else entry)
                        for i, entry in state_dict["state"].items()}
             state_dict = {**state_dict, "state": widened}
@@ -495,7 +456,8 @@ class LayerWiseMuon(Muon):
                 if (not isinstance(m, torch.Tensor) or m.dtype != torch.float32
                         or tuple(m.shape) != tuple(self._params[i].shape)):
                     what = f"shape {tuple(m.shape)}, {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
-                    raise ValueError(f"Invalid state_dict: master_params[{k}] ({param_name(self.param_groups, i)}) "
+                    raise ValueError(f"Invalid state_dict: master_params[{k}] "
+                                     f"({_comm.param_name(self.param_groups, i)}) "
                                      f"has {what}; expected a float32 tensor of the parameter's shape")
         return state_dict, skipped, masters
 
@@ -507,8 +469,9 @@ class LayerWiseMuon(Muon):
         """
         self._checked(state_dict)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a plain Muon state dict (from :meth:`state_dict` at any world size, or from
+    def _load_state_dict(self, state_dict: dict) -> None:
+        """``load_state_dict(state_dict)`` (the base runs the hooks and :meth:`check_state_dict` first): a plain
+        Muon state dict (from :meth:`state_dict` at any world size, or from
         :meth:`optbook.optim.Muon.state_dict`); each rank keeps the momentum (and the float32 masters) of the
         matrices it owns. Not a collective: call it on every rank with the same dict. A dict without
         ``"master_params"`` (a single-process Muon's) takes each bfloat16 master from the parameter as it
@@ -521,7 +484,7 @@ class LayerWiseMuon(Muon):
                 masters' count, shapes and dtype); nothing is loaded then.
         """
         state_dict, skipped, masters = self._checked(state_dict)
-        Muon.load_state_dict(self, {"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        load_plain(self, {"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for i, p in enumerate(self._params):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
@@ -547,7 +510,7 @@ class LayerWiseMuon(Muon):
         state, masters = self._local_state()
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-                "state": state, "master_params": masters, "param_groups": super().state_dict()["param_groups"],
+                "state": state, "master_params": masters, "param_groups": plain_state_dict(self)["param_groups"],
                 "skipped_steps": self.skipped_steps}
 
     def _plain_from_shards(self, shards) -> dict:
