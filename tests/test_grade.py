@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +118,7 @@ def test_grader_end_to_end(tmp_path, chapter):
     blank.write_text(json.dumps(nb), encoding="utf-8")
     out = tmp_path / "grades.json"
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "grade.py"), str(full), str(blank), "--json", str(out)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=scaled_timeout(200))
     assert run.returncode == 0, run.stderr[-3000:]
     solved, unsolved = json.loads(out.read_text())
     assert solved["possible"] > 0 and solved["score"] == solved["possible"], run.stdout
