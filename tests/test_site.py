@@ -22,8 +22,7 @@ the section; on a desktop the contents button collapses the sidebar. Screenshots
 page at each width go to ``_build/screenshots/<desktop|tablet|phone>/``. Without a browser: the search
 page finds "Newton"; every internal link and anchor resolves; the root page and ``/favicon.ico`` load;
 a note written ``:::{note} Title`` shows its title; the rendered code drops the harness
-(``reader_source``); figures are stored at 2x except in the notebooks listed in ``STILL_1X``, and no wider
-than 8.5 in except in those listed in ``STILL_WIDE``; and the
+(``reader_source``); every figure is stored at 2x and no wider than 8.5 in; and the
 student site's launch buttons open the student branch. Screenshots of two pages go to
 ``_build/test-artifacts/``.
 
@@ -582,20 +581,6 @@ def test_reader_source():
         "print(x)")
 
 
-# Notebooks whose stored figures may still be 1x PNGs: they were executed before optbook.plotting stored
-# figures at 2x, and become 2x when re-executed (then they can leave this list).
-STILL_1X = {
-    "book/04_wider_family",
-    "book/07_muon_at_scale", "book/07b_width_transfer", "book/08_muonclip",
-    "book/11_mixed_precision",
-    "book/13_zero1",
-}
-# Notebooks with a stored figure wider than FIGURE_MAX_WIDTH (1x pixels): each leaves the list once its
-# wide figures are narrowed or their panels restacked in rows (optbook.plotting.subplots(rows, 1, ...)).
-STILL_WIDE = {
-    "book/01_sgd_momentum", "book/02_adam", "book/06_muon",
-    "book/07b_width_transfer", "book/08_muonclip", "book/08b_logit_harm", "book/08c_qk_clip_in_practice",
-}
 # 8.5 in at the book's 100 dpi: in a 390 px phone's 347 px column such a figure is drawn at 41 % of its
 # size, its 10 pt labels at 5.7 CSS px (17 device pixels on a 3x screen, from the 2x image): about the
 # most a figure can lose and stay readable. The browser test's PHONE_MIN_SCALE (40 %) measures it on the
@@ -624,27 +609,25 @@ def _stored_figures(page):
 
 
 def test_figures_at_2x():
-    """Every matplotlib figure of a notebook outside STILL_1X is stored at twice its display size (PNG
+    """Every matplotlib figure of every notebook is stored at twice its display size (PNG
     pixels = 2 x the width and height in its output metadata, which the page uses), so that it is sharp
     on a phone's screen and under zoom."""
     wrong = []
     for page in PAGES:
         sizes = _stored_figures(page)
         at_2x = [abs(w - 2 * sw) <= 2 and abs(h - 2 * sh) <= 2 for w, h, sw, sh in sizes]
-        if page not in STILL_1X and not all(at_2x):
+        if not all(at_2x):
             wrong.append(f"{page}: {at_2x.count(False)} of {len(sizes)} figures at 1x")
     assert wrong == [], "\n".join(wrong)
 
 
 def test_figures_fit_a_phone():
-    """Every stored figure of a notebook outside STILL_WIDE is at most FIGURE_MAX_WIDTH pixels wide at 1x
+    """Every stored figure of every notebook is at most FIGURE_MAX_WIDTH pixels wide at 1x
     (8.5 in at 100 dpi; a figure of three or more panels side by side is restacked in rows to get there),
     so that in a 390 px phone's 347 px column it is drawn at no less than 41 % of its size. Without a browser: the
     browser test measures the same thing on the built page."""
     wrong = []
     for page in PAGES:
-        if page in STILL_WIDE:
-            continue
         wide = [shown_w for _, _, shown_w, _ in _stored_figures(page) if shown_w > FIGURE_MAX_WIDTH]
         if wide:
             wrong.append(f"{page}: figures {wide} px wide at 1x (at most {FIGURE_MAX_WIDTH})")
