@@ -158,7 +158,7 @@ sweep: setup
 # above its table and records both in benchmarks/results/NAME.json; then the README's tables are rewritten
 # from the records (tools/readme_numbers.py: README.md, CONTRIBUTING.md, benchmarks/README.md).
 BENCHMARKS := bench_adamw bench_muon bench_zero1 bench_fsdp2 bench_compiled_step bench_newton_schulz bench_contract_overhead \
-              bench_quickstart bench_limits
+              bench_quickstart bench_limits bench_wrapper_base
 bench: setup
 	$(foreach b,$(BENCHMARKS),$(RUN) $(BIN)/python benchmarks/$(b).py &&) true
 	$(BIN)/python tools/readme_numbers.py --write

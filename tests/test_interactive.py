@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scaled_timeout
 
 from optbook import interactive
 from optbook.memory import ledger
@@ -214,7 +215,7 @@ def test_script_draws_every_frame(tmp_path, width):
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     (tmp_path / "dom.js").write_text(DOM)
     run = subprocess.run(["node", str(tmp_path / "dom.js"), str(tmp_path / "specs.json"), str(width),
-                          str(ROOT / "_static" / "interactive.js")], capture_output=True, text=True, timeout=60)
+                          str(ROOT / "_static" / "interactive.js")], capture_output=True, text=True, timeout=scaled_timeout(20))
     assert run.returncode == 0, run.stderr
     for spec, seen in zip(specs, json.loads(run.stdout)):
         assert seen["values"] == len(spec["slider"]["values"]) and seen["label"] == spec["slider"]["label"]

@@ -220,7 +220,7 @@ def test_ci_description_matches_ci():
           if line.startswith("make ")]
     paragraph = CONTRIBUTING[CONTRIBUTING.index("CI is `.ci/run`"):].split("\n\n")[0]
     positions = [paragraph.index(f"`{c}`") for c in ci]
-    assert positions == sorted(positions) and len(ci) == 8, (ci, paragraph)
+    assert positions == sorted(positions) and len(ci) == 9, (ci, paragraph)
 
 
 def run_snippet(source, tmp_path, monkeypatch):
