@@ -93,7 +93,7 @@ def shares(world_size: int, sizes: tuple) -> list[list[int]]:
 
 
 def micro_batches(step: int, rank: int, plan: list[list[int]]) -> list[torch.Tensor]:
-    """Rank ``rank``'s micro-batches of step ``step``: int64 tokens ``(n, SEQ)``, cut from the step's batch."""
+    """Rank ``rank``'s micro-batches of step ``step``: int64 tokens ``(n, SEQ)``, cut from its batch."""
     total = sum(sum(p) for p in plan)
     tokens = torch.randint(0, VOCAB, (total, SEQ), generator=torch.Generator().manual_seed(10 + step))
     start = sum(sum(p) for p in plan[:rank])
@@ -202,7 +202,8 @@ def zero1_stack(rank: int, world_size: int, *, dtype=torch.float32, sizes=(4, 4)
             for piece in opt.pieces:
                 offset = piece.buffer_start - opt.layout.buckets[piece.bucket].shard(opt.rank)[0]
                 mine = opt.master_shards[piece.bucket][offset:offset + piece.numel]
-                same &= torch.equal(mine, masters[piece.index].detach().reshape(-1)[piece.param_start:piece.param_end])
+                theirs = masters[piece.index].detach().reshape(-1)[piece.param_start:piece.param_end]
+                same &= torch.equal(mine, theirs)
         out["equal"].append(bool(same))
     return out
 

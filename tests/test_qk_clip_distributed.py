@@ -23,8 +23,8 @@ PACKED = 1 + 4 + 2 + 8
 
 
 def test_qk_clip_collectives_per_step_one_packed_max_and_zero1_masters_bitwise_single_process():
-    """2 ranks, 2 micro-batches each, recompute, ZeRO-1 (AdamW, float32) on a model whose attention layers have
-    4, 2 and 8 heads and one layer none. Per step the forwards and backwards issue no collective and
+    """2 ranks, 2 micro-batches each, recompute, ZeRO-1 (AdamW, float32) on a model whose attention layers
+    have 4, 2 and 8 heads and one layer none. Per step the forwards and backwards issue no collective and
     qk_clip_ exactly one MAX all-reduce of 15 float64 values, then one gather of the one bucket (2
     broadcasts on gloo) for all the clipped weights; the weights stay bitwise the single-process run's.
     Before: the maxima were stacked (layers of different head counts raised), and ZeRO-1 gathered its
@@ -40,13 +40,15 @@ def test_qk_clip_collectives_per_step_one_packed_max_and_zero1_masters_bitwise_s
         assert r["reports"] == [True] * 3 and r["equal"] == [True] * 3, r
 
 
-def test_qk_clip_on_bfloat16_zero1_masters_with_an_uneven_batch_is_bitwise_mixed_precision_muonclip():
-    """3 ranks holding 3, 2 and 1 sequences (two, two and one micro-batches), recompute, bfloat16 weights:
-    ZeRO-1's float32 master shards and the weights equal MixedPrecisionOptimizer(AdamW)'s bitwise after every
-    step and clip (gradients: the reference's, see zero1_stack)."""
+@pytest.mark.parametrize("sizes", [(3, 2, 1), (4, 2, 0)], ids=["uneven", "empty-rank"])
+def test_qk_clip_on_bfloat16_zero1_masters_with_an_uneven_batch_is_bitwise_mixed_precision_muonclip(sizes):
+    """3 ranks holding 3, 2 and 1 sequences (two, two and one micro-batches) -- or 4, 2 and none: rank 2
+    runs no forward and joins the MAX with nothing recorded --, recompute, bfloat16 weights: ZeRO-1's float32
+    master shards and the weights equal MixedPrecisionOptimizer(AdamW)'s bitwise after every step and clip
+    (gradients: the reference's, see zero1_stack)."""
     from qk_clip_ranks import zero1_stack
 
-    reports = launch(zero1_stack, 3, dtype=torch.bfloat16, sizes=(3, 2, 1), grads="reference",
+    reports = launch(zero1_stack, 3, dtype=torch.bfloat16, sizes=sizes, grads="reference",
                      timeout=scaled_timeout(240.0))
     for r in reports:
         assert all(c > 0 for c in r["clipped"]) and r["clip_max"] == [[PACKED]] * 3, r
@@ -105,4 +107,5 @@ def test_recompute_records_the_same_max_logits_bitwise(use_reentrant):
     assert calls == {"plain": 2 * 3, "ckpt": 2 * 2 * 3}   # 2 micro-batches, 3 attention layers, recomputed
     for a, b in zip(attention_modules(plain), attention_modules(ckpt), strict=True):
         assert a.max_logits.dtype == torch.float64 and torch.equal(a.max_logits, b.max_logits)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ckpt.parameters(), strict=True))
+    pairs = zip(plain.parameters(), ckpt.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)

@@ -24,9 +24,11 @@ and every other weight never change. Every scaling goes through :func:`optbook.c
 with one ``(rows, 1)`` factor column per weight (exactly 1 on untouched rows): a wrapper that keeps its
 own copy of the weights (the float32 masters of :class:`~optbook.precision.MixedPrecisionOptimizer`, the
 host copies of :class:`~optbook.memory.OffloadOptimizer`) scales that copy and rewrites the model's weight
-from it, so its next step does not undo the clip. With ``torch.distributed`` initialised, the per-head maxima are
-first all-reduced with MAX over ``process_group`` (default: the whole world), so every data-parallel
-rank clips identically.
+from it, so its next step does not undo the clip (ZeRO-1's :class:`~optbook.distributed.DistributedOptimizer`
+takes all of a step's scalings in one call and republishes each bucket once). With ``torch.distributed``
+initialised, every layer's per-head maxima are first reduced over ``process_group`` (default: the whole
+world) by one packed all-reduce (MAX) whatever the number of layers, so every data-parallel rank clips
+identically; an FSDP2 ``DTensor`` weight then has its local rows scaled, with no further communication.
 
 What it guarantees: recomputing a layer's logits on the inputs it saw gives ``S_max^h <= tau`` for
 every head (up to the rounding of the scaled weights, a few ulps of their dtype). It acts only
@@ -45,7 +47,7 @@ from .contract import owner_of, scale_weights_
 from .models.heads import attention_modules
 from ._checks import check_int
 
-__all__ = ["clipped_heads", "qk_clip_", "qk_clip_factors", "reduce_maxima"]
+__all__ = ["clipped_heads", "qk_clip_", "qk_clip_factors"]
 
 #: The roles of :class:`~optbook.models.heads.HeadRows` that qk_clip_ rescales.
 CLIPPED_ROLES = ("query", "key", "rotary_query")
@@ -159,7 +161,7 @@ def _recorded(i: int, attn: nn.Module, missing_ok: bool) -> torch.Tensor | None:
     return attn.max_logits
 
 
-def reduce_maxima(layers: list, process_group=None) -> list[torch.Tensor]:
+def _reduce_maxima(layers: list, process_group=None) -> list[torch.Tensor]:
     """Every layer's per-head ``S_max`` over this process and, with ``torch.distributed`` initialised, over
     every rank of ``process_group``: float64, one ``(n_heads,)`` tensor per layer of ``layers`` (attention
     modules, :func:`optbook.models.attention_modules`). Nothing is written.
@@ -249,7 +251,7 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
 
     With ``torch.distributed`` initialised (data parallelism, ZeRO-1, FSDP2), every rank calls it: the
     maxima of all layers are reduced over ``process_group`` by one packed all-reduce (MAX) whatever the
-    number of layers (:func:`reduce_maxima`), after which every rank computes the same factors and scales
+    number of layers (:func:`_reduce_maxima`), after which every rank computes the same factors and scales
     its own copy: a replicated weight, the float32 master shards of
     :class:`~optbook.distributed.DistributedOptimizer` (the gathered weights republished once for all the
     clipped weights), the local rows of an FSDP2 ``DTensor`` (no communication). A rank whose share of the
@@ -280,7 +282,7 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
             weights do not match its head layout.
         RuntimeError: no attention layer, or a layer with no recorded maxima (no training forward; when
             distributed, on no rank).
-        Nothing is modified when it raises, and distributed, every rank raises (:func:`reduce_maxima`).
+        Nothing is modified when it raises, and distributed, every rank raises (:func:`_reduce_maxima`).
     """
     if isinstance(tau, bool) or not (isinstance(tau, (int, float)) and tau > 0):
         raise ValueError(f"Invalid tau: expected a number > 0, got {tau!r}")
@@ -290,7 +292,7 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
     if not layers:
         raise RuntimeError("qk_clip_ found no attention layer (a module with a head_layout: "
                            "CausalSelfAttention or MultiHeadLatentAttention)")
-    plans = reduce_maxima(layers, process_group)
+    plans = _reduce_maxima(layers, process_group)
 
     report, scalings = [], []
     for i, (attn, s_max) in enumerate(zip(layers, plans)):

@@ -53,8 +53,8 @@ class Zero1Weights:
     @torch.no_grad()
     def _scale_weights_(self, param: torch.Tensor, factor) -> None:
         """Multiply ``param``'s weights by ``factor`` in this optimizer's copy and rewrite the model's
-        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls this):
-        :meth:`_scale_weights_many_` with one pair. A collective (see there)."""
+        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls
+        this): :meth:`_scale_weights_many_` with one pair. A collective (see there)."""
         self._scale_weights_many_([(param, factor)])
 
     @torch.no_grad()
@@ -72,8 +72,8 @@ class Zero1Weights:
         made to the parameters before (identically on every rank) are taken up first.
 
         Args:
-            pairs: ``(param, factor)`` pairs: ``param`` one of this optimizer's parameters (the model's tensor),
-                at most once; ``factor`` a Python number or a real tensor broadcastable to ``param.shape`` (a
+            pairs: ``(param, factor)`` pairs: ``param`` one of this optimizer's parameters (the model's
+                tensor), at most once; ``factor`` a Python number or a real tensor broadcastable to ``param.shape`` (a
                 row scaling of a matrix: shape ``(rows, 1)``), the same on every rank.
 
         Raises:
@@ -88,7 +88,8 @@ class Zero1Weights:
                 raise ValueError(f"Invalid param: a tensor of shape {tuple(param.shape)} that this "
                                  "DistributedOptimizer does not hold")
             if index in flats:
-                raise ValueError(f"Invalid pairs: parameter {index} (shape {tuple(param.shape)}) is named twice")
+                raise ValueError(f"Invalid pairs: parameter {index} (shape {tuple(param.shape)}) is named "
+                                 "twice")
             shape = self.layout.params[index].shape
             try:
                 flats[index] = torch.as_tensor(factor).to(param.device).expand(shape).reshape(-1)
