@@ -310,4 +310,35 @@ def refusals(rank: int, world_size: int) -> dict:
         unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         out[case] = (*error, unchanged, len(report))
         dist.barrier()
+    out["zero1"] = zero1_scale_refusals()
+    return out
+
+
+def zero1_scale_refusals() -> dict:
+    """ZeRO-1's ``_scale_weights_many_`` (what ``qk_clip_`` hands a step's scalings to) on bad pairs, called
+    alike on every rank: ``{case: (error message, masters and weights unchanged, collectives issued)}`` for
+    a tensor it does not hold (after a good pair), a parameter named twice, a factor that does not
+    broadcast."""
+    from optbook.distributed import DistributedOptimizer
+    from optbook.optim import AdamW
+
+    model = hybrid_model(torch.bfloat16)
+    opt = DistributedOptimizer(model.parameters(), AdamW, lr=0.01)
+    q = attention_modules(model)[0].q_proj.weight
+    half = torch.full((q.shape[0], 1), 0.5)
+    cases = {"foreign": [(q, half), (torch.zeros_like(q), half)], "twice": [(q, half), (q, half)],
+             "shape": [(q, torch.full((q.shape[0] + 1, 1), 0.5))]}
+    out = {}
+    for case, pairs in cases.items():
+        before = [p.detach().clone() for p in model.parameters()]
+        masters = {b: m.clone() for b, m in opt.master_shards.items()}
+        with OpCounter() as counter:
+            try:
+                opt._scale_weights_many_(pairs)
+                message = None
+            except ValueError as e:
+                message = str(e)
+        unchanged = (all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                     and all(torch.equal(m, masters[b]) for b, m in opt.master_shards.items()))
+        out[case] = (message, unchanged, len(counter.calls) + counter.other_calls)
     return out

@@ -71,7 +71,9 @@ def test_qk_clip_collectives_per_step_on_fsdp2_shards_is_bitwise_single_process_
 
 def test_unusable_maxima_on_one_rank_raise_on_every_rank_and_a_rank_without_data_joins_the_max():
     """A NaN on one rank (gloo's MAX can drop it), an inf, a wrong length on one rank, a rank with no
-    forward, no forward anywhere: every rank ends alike, and nothing is written where it raises."""
+    forward, no forward anywhere: every rank ends alike, and nothing is written where it raises. Before: the
+    NaN was dropped and both ranks clipped, and a rank with nothing recorded raised alone while the other
+    waited in the all-reduce."""
     from qk_clip_ranks import refusals
 
     r0, r1 = launch(refusals, 2, timeout=scaled_timeout(120.0))
@@ -88,6 +90,11 @@ def test_unusable_maxima_on_one_rank_raise_on_every_rank_and_a_rank_without_data
     for r in (r0, r1):
         kind, message, unchanged, _ = r["no_forward"]
         assert kind == "RuntimeError" and "on any rank" in message and unchanged
+    for r in (r0, r1):   # ZeRO-1 refuses bad scalings before any write or collective
+        assert r["zero1"]["foreign"][0].startswith("Invalid param: a tensor of shape (16, 16)")
+        assert r["zero1"]["twice"][0].startswith("Invalid pairs: parameter ")
+        assert r["zero1"]["shape"][0].startswith("Invalid factor: shape (17, 1) does not broadcast")
+        assert all(unchanged and calls == 0 for _, unchanged, calls in r["zero1"].values()), r["zero1"]
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
