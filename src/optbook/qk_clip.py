@@ -24,9 +24,11 @@ and every other weight never change. Every scaling goes through :func:`optbook.c
 with one ``(rows, 1)`` factor column per weight (exactly 1 on untouched rows): a wrapper that keeps its
 own copy of the weights (the float32 masters of :class:`~optbook.precision.MixedPrecisionOptimizer`, the
 host copies of :class:`~optbook.memory.OffloadOptimizer`) scales that copy and rewrites the model's weight
-from it, so its next step does not undo the clip. With ``torch.distributed`` initialised, the per-head maxima are
-first all-reduced with MAX over ``process_group`` (default: the whole world), so every data-parallel
-rank clips identically.
+from it, so its next step does not undo the clip (ZeRO-1's :class:`~optbook.distributed.DistributedOptimizer`
+takes all of a step's scalings in one call and republishes each bucket once). With ``torch.distributed``
+initialised, every layer's per-head maxima are first reduced over ``process_group`` (default: the whole
+world) by one packed all-reduce (MAX) whatever the number of layers, so every data-parallel rank clips
+identically; an FSDP2 ``DTensor`` weight then has its local rows scaled, with no further communication.
 
 What it guarantees: recomputing a layer's logits on the inputs it saw gives ``S_max^h <= tau`` for
 every head (up to the rounding of the scaled weights, a few ulps of their dtype). It acts only
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .contract import scale_weights_
+from .contract import owner_of, scale_weights_
 from .models.heads import attention_modules
 from ._checks import check_int
 
@@ -143,21 +145,127 @@ def row_factors(weight: torch.Tensor, factors: torch.Tensor, blocks: list[slice]
     return out
 
 
+def _recorded(i: int, attn: nn.Module, missing_ok: bool) -> torch.Tensor | None:
+    """Layer ``i``'s recorded maxima ``(n_heads,)``, after checking them and the layer (before any write).
+    ``None`` when nothing was recorded and ``missing_ok`` (a data-parallel rank whose share held no data)."""
+    if attn.max_logits is None:
+        if missing_ok:
+            _check_clippable(i, attn)
+            return None
+        raise RuntimeError(f"Attention layer {i} recorded no max logits: run a training-mode forward "
+                           "before qk_clip_ (and call it once per step)")
+    if attn.max_logits.numel() != attn.head_layout.n_heads:
+        raise ValueError(f"Attention layer {i}: {attn.max_logits.numel()} recorded maxima for "
+                         f"{attn.head_layout.n_heads} heads")
+    _check_clippable(i, attn)
+    return attn.max_logits
+
+
+def _reduce_maxima(layers: list, process_group=None) -> list[torch.Tensor]:
+    """Every layer's per-head ``S_max`` over this process and, with ``torch.distributed`` initialised, over
+    every rank of ``process_group``: float64, one ``(n_heads,)`` tensor per layer of ``layers`` (attention
+    modules, :func:`optbook.models.attention_modules`). Nothing is written.
+
+    Distributed, it is **one** all-reduce (MAX) whatever the number of layers and heads: a float64 tensor of
+    ``1 + sum(n_heads)`` elements -- slot 0 an error flag (``1 + rank`` of a rank whose own check failed),
+    then each layer's maxima (exact: the maxima are float32 or float64). A NaN is packed as ``+inf``: a
+    MAX over ranks may drop a NaN (gloo's does, depending on the order it meets it), an ``inf`` always
+    survives; a rank that recorded nothing for a layer (its share of the batch was empty) packs ``-inf``,
+    which every other rank's maximum beats. Errors are raised after the all-reduce, on every rank alike, so
+    no rank is left waiting in a collective the others never join.
+
+    Raises:
+        RuntimeError: a layer with no recorded maxima (no training forward since the last clip) -- on every
+            rank, only when no rank of the group recorded any.
+        ValueError: recorded maxima whose length does not match the layer's heads, or a layer
+            :func:`qk_clip_` cannot clip (on the rank that found it; the other ranks raise a ``ValueError``
+            naming that rank); maxima that are NaN or infinite on some rank (on every rank).
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    local_error, recorded = None, []
+    for i, attn in enumerate(layers):  # validate everything before touching any weight
+        try:
+            recorded.append(_recorded(i, attn, missing_ok=distributed))
+        except (RuntimeError, ValueError) as e:
+            if not distributed:
+                raise
+            local_error = local_error or e
+            recorded.append(None)
+    sizes = [attn.head_layout.n_heads for attn in layers]
+    device = next((m.device for m in recorded if m is not None), torch.device("cpu"))
+    if distributed and torch.distributed.get_backend(process_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    packed = torch.full((1 + sum(sizes),), float("-inf"), dtype=torch.float64, device=device)
+    packed[0] = 0.0
+    for m, part in zip(recorded, packed[1:].split(sizes)):
+        if m is not None:
+            part.copy_(torch.nan_to_num(m.detach().double(), nan=float("inf"), posinf=float("inf"),
+                                        neginf=float("-inf")))
+    if distributed:
+        if local_error is not None:
+            packed[0] = 1 + torch.distributed.get_rank(process_group)
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        if local_error is not None:
+            raise local_error
+        if packed[0] > 0:
+            raise ValueError(f"Invalid input on rank {int(packed[0]) - 1} of the process group (its qk_clip_ "
+                             "raised there, naming the problem); nothing was modified")
+    maxima = list(packed[1:].cpu().split(sizes))
+    for i, s_max in enumerate(maxima):  # after the all-reduce, so every rank raises alike
+        if bool((s_max == float("-inf")).all()):
+            raise RuntimeError(f"Attention layer {i} recorded no max logits on any rank: run a training-mode "
+                               "forward before qk_clip_ (and call it once per step)")
+        if not torch.isfinite(s_max).all():
+            raise ValueError(f"Attention layer {i} recorded non-finite max logits {s_max.tolist()} (a NaN is "
+                             "shown as inf): the forward overflowed; skip this step instead of clipping")
+    return maxima
+
+
+def _scale_all_(scalings: list) -> None:
+    """Apply ``[(param, (rows, 1) factor column)]`` through :func:`optbook.contract.scale_weights_`, every
+    parameter of one owner that can take them together (``_scale_weights_many_``, as
+    :class:`~optbook.distributed.DistributedOptimizer`) in one call: its weights are then published once
+    (ZeRO-1: one gather per bucket touched, not one per weight). Every rank calls this with the same list."""
+    batched = {}
+    for param, column in scalings:
+        owner = owner_of(param)
+        if owner is not None and hasattr(owner, "_scale_weights_many_"):
+            batched.setdefault(id(owner), (owner, []))[1].append((param, column))
+        else:
+            scale_weights_(param, column)
+    for owner, pairs in batched.values():
+        owner._scale_weights_many_(pairs)
+
+
 @torch.no_grad()
 def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", process_group=None) -> list[dict]:
     """Clip every attention head of ``model`` whose recorded max logit exceeds ``tau``, in place.
 
     Call it after ``optimizer.step()``. The maxima it reads are the running maxima the attention
     layers recorded over every training forward since the last call (every micro-batch of a step with
-    gradient accumulation; :class:`optbook.models.TinyTransformer` records them), so the clip bounds
-    the logits of all of them, not only of the last micro-batch. The recorded maxima are consumed
-    (reset to ``None``), so a second call without a new forward raises instead of clipping twice.
+    gradient accumulation, and the forwards that activation checkpointing re-runs in the backward: the
+    maximum of the same logits twice is the same maximum; :class:`optbook.models.TinyTransformer` records
+    them), so the clip bounds the logits of all of them, not only of the last micro-batch. The recorded
+    maxima are consumed (reset to ``None``), so a second call without a new forward raises instead of
+    clipping twice.
+
+    With ``torch.distributed`` initialised (data parallelism, ZeRO-1, FSDP2), every rank calls it: the
+    maxima of all layers are reduced over ``process_group`` by one packed all-reduce (MAX) whatever the
+    number of layers (:func:`_reduce_maxima`), after which every rank computes the same factors and scales
+    its own copy: a replicated weight, the float32 master shards of
+    :class:`~optbook.distributed.DistributedOptimizer` (the gathered weights republished once for all the
+    clipped weights), the local rows of an FSDP2 ``DTensor`` (no communication). A rank whose share of the
+    batch was empty contributes nothing. Sources: Kimi K2 (arXiv:2507.20534, §2.1); the packed reduction as
+    in torchtitan pull request #4243 (all layers' and heads' maxima in one MAX all-reduce per optimizer
+    step); NVIDIA/Megatron-LM pull request #7382 for what crashes when the master of a weight is a flat shard
+    of a distributed optimizer or a layer has no attention.
 
     Args:
         model: a module containing attention modules with a ``head_layout``
             (:class:`~optbook.models.CausalSelfAttention`: MHA, GQA, MQA;
             :class:`~optbook.models.MultiHeadLatentAttention`: MLA) and their recorded ``max_logits``
-            (float32 or float64, shape ``(n_heads,)``).
+            (float32 or float64, shape ``(n_heads,)``); layers may have different head counts, and
+            modules without attention are skipped.
         tau: threshold on ``S_max`` (pre-softmax logit units), a real number ``> 0``; K2 uses 100.
         gqa_rule: ``"group"`` or ``"per_head"`` (module docstring); no effect for MHA and MLA.
         process_group: group for the MAX all-reduce when ``torch.distributed`` is initialised.
@@ -172,8 +280,9 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
             length does not match the layer's heads, or that are NaN or infinite; a layer whose logits
             the scaled weights do not set (``qk_norm=True``, a bias on a scaled projection) or whose
             weights do not match its head layout.
-        RuntimeError: no attention layer, or a layer with no recorded maxima (no training forward).
-        Nothing is modified when it raises.
+        RuntimeError: no attention layer, or a layer with no recorded maxima (no training forward; when
+            distributed, on no rank).
+        Nothing is modified when it raises, and distributed, every rank raises (:func:`_reduce_maxima`).
     """
     if isinstance(tau, bool) or not (isinstance(tau, (int, float)) and tau > 0):
         raise ValueError(f"Invalid tau: expected a number > 0, got {tau!r}")
@@ -183,26 +292,9 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
     if not layers:
         raise RuntimeError("qk_clip_ found no attention layer (a module with a head_layout: "
                            "CausalSelfAttention or MultiHeadLatentAttention)")
-    plans = []
-    for i, attn in enumerate(layers):  # validate everything before touching any weight
-        if attn.max_logits is None:
-            raise RuntimeError(f"Attention layer {i} recorded no max logits: run a training-mode forward "
-                               "before qk_clip_ (and call it once per step)")
-        if attn.max_logits.numel() != attn.head_layout.n_heads:
-            raise ValueError(f"Attention layer {i}: {attn.max_logits.numel()} recorded maxima for "
-                             f"{attn.head_layout.n_heads} heads")
-        _check_clippable(i, attn)
-        plans.append(attn.max_logits.clone())
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        stacked = torch.stack([s.double() for s in plans])  # exact for float32 and float64 maxima
-        torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX, group=process_group)
-        plans = list(stacked)
-    for i, s_max in enumerate(plans):  # after the all-reduce, so every rank raises alike
-        if not torch.isfinite(s_max).all():
-            raise ValueError(f"Attention layer {i} recorded non-finite max logits {s_max.tolist()}: the "
-                             "forward overflowed; skip this step instead of clipping")
+    plans = _reduce_maxima(layers, process_group)
 
-    report = []
+    report, scalings = [], []
     for i, (attn, s_max) in enumerate(zip(layers, plans)):
         attn.max_logits = None
         layout = attn.head_layout
@@ -217,11 +309,12 @@ def qk_clip_(model: nn.Module, tau: float = 100.0, *, gqa_rule: str = "group", p
                 columns[part.weight] = row_factors(w, factors[part.role], part.slices(), columns.get(part.weight))
         for weight, column in columns.items():
             if not bool((column == 1).all()):  # a weight with no clipped row is not written at all
-                scale_weights_(attn.get_parameter(weight), column)
+                scalings.append((attn.get_parameter(weight), column))
         for h in range(layout.n_heads):
             if float(s_max[h]) > tau or q_factor[h] != 1.0:
                 report.append(dict(layer=i, head=h, s_max=float(s_max[h]), gamma=min(1.0, tau / float(s_max[h])),
                                    q_factor=float(q_factor[h]), k_factor=float(k_factor[layout.kv_head(h)])))
+    _scale_all_(scalings)
     return report
 
 

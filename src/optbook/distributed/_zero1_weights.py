@@ -53,40 +53,60 @@ class Zero1Weights:
     @torch.no_grad()
     def _scale_weights_(self, param: torch.Tensor, factor) -> None:
         """Multiply ``param``'s weights by ``factor`` in this optimizer's copy and rewrite the model's
-        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls this).
+        ``param`` from it, as the next :meth:`step` would (:func:`optbook.contract.scale_weights_` calls
+        this): :meth:`_scale_weights_many_` with one pair. A collective (see there)."""
+        self._scale_weights_many_([(param, factor)])
 
-        A collective: every rank of the group calls it with the same ``param`` (its replica) and ``factor``.
-        Each rank multiplies the part of its shard that belongs to ``param`` -- ``factor`` expanded to
-        ``param.shape``, flattened and sliced to the piece's range -- in the shard's dtype (the float32
-        master of a float16/bfloat16 parameter; the parameter itself for float32/float64), then the
-        parameter's bucket is gathered again, so every rank's ``param`` holds the scaled (rounded) master.
+    @torch.no_grad()
+    def _scale_weights_many_(self, pairs) -> None:
+        """Multiply each ``param`` of ``pairs`` (``[(param, factor)]``) by its ``factor`` in this optimizer's
+        copy, then rewrite the model's parameters from it once: each bucket holding one of them is gathered
+        once, however many of its parameters were scaled (:func:`optbook.qk_clip_` scales every clipped query
+        and key weight of a step in one call: one gather per bucket, not one per weight).
+
+        A collective: every rank of the group calls it with the same ``pairs`` (its replicas, in the same
+        order). Each rank multiplies the part of its shard that belongs to each ``param`` -- ``factor``
+        expanded to ``param.shape``, flattened and sliced to the piece's range -- in the shard's dtype (the
+        float32 master of a float16/bfloat16 parameter; the parameter itself for float32/float64), then the
+        buckets are gathered again, so every rank's parameters hold the scaled (rounded) masters. Writes
+        made to the parameters before (identically on every rank) are taken up first.
 
         Args:
-            param: one of this optimizer's parameters (the model's tensor).
-            factor: a Python number or a real tensor broadcastable to ``param.shape`` (a row scaling of a
-                matrix: shape ``(rows, 1)``), the same on every rank.
+            pairs: ``(param, factor)`` pairs: ``param`` one of this optimizer's parameters (the model's
+                tensor), at most once; ``factor`` a Python number or a real tensor broadcastable to ``param.shape`` (a
+                row scaling of a matrix: shape ``(rows, 1)``), the same on every rank.
 
         Raises:
-            ValueError: ``param`` is not one of this optimizer's parameters, or ``factor`` does not broadcast
-                to its shape. Raised on the rank where it happens, before any write or communication.
+            ValueError: a ``param`` that is not one of this optimizer's parameters or is named twice, or a
+                ``factor`` that does not broadcast to its shape. Raised on the rank where it happens, before
+                any write or communication.
         """
-        index = self._index_of.get(id(param))
-        if index is None or self._params[index] is not param:
-            raise ValueError(f"Invalid param: a tensor of shape {tuple(param.shape)} that this "
-                             "DistributedOptimizer does not hold")
-        r = self.layout.params[index]
-        try:
-            flat = torch.as_tensor(factor).to(param.device).expand(r.shape).reshape(-1)
-        except RuntimeError as e:
-            raise ValueError(f"Invalid factor: shape {tuple(torch.as_tensor(factor).shape)} does not broadcast "
-                             f"to the parameter's shape {r.shape}") from e
+        flats = {}
+        for param, factor in pairs:   # every pair checked before any write
+            index = self._index_of.get(id(param))
+            if index is None or self._params[index] is not param:
+                raise ValueError(f"Invalid param: a tensor of shape {tuple(param.shape)} that this "
+                                 "DistributedOptimizer does not hold")
+            if index in flats:
+                raise ValueError(f"Invalid pairs: parameter {index} (shape {tuple(param.shape)}) is named "
+                                 "twice")
+            shape = self.layout.params[index].shape
+            try:
+                flats[index] = torch.as_tensor(factor).to(param.device).expand(shape).reshape(-1)
+            except RuntimeError as e:
+                raise ValueError(f"Invalid factor: shape {tuple(torch.as_tensor(factor).shape)} does not "
+                                 f"broadcast to the parameter's shape {shape}") from e
+        if not flats:
+            return
         self.take_up_outside_writes()
         for piece, target in zip(self.pieces, self._piece_params):
-            if piece.index == index:
+            flat = flats.get(piece.index)
+            if flat is not None:
                 target.mul_(flat[piece.param_start:piece.param_end].to(target.dtype))
-        if r.bucket in self.master_shards:
-            self._shard(self.param_buffers, r.bucket).copy_(self.master_shards[r.bucket])
-        self._gather(r.bucket)
+        for b in sorted({self.layout.params[index].bucket for index in flats}):
+            if b in self.master_shards:
+                self._shard(self.param_buffers, b).copy_(self.master_shards[b])
+            self._gather(b)
 
     # --- the wrapper base's phases that ZeRO-1 fills in (optbook.wrapper.OptimizerWrapper), publishing included
     def inner_optimizers(self) -> list:

@@ -133,7 +133,8 @@ class DistributedOptimizer(Zero1Checkpoints, Zero1Weights, OptimizerWrapper):
 
     The owner of its parameters (:mod:`optbook.contract`): it registers itself, so
     :func:`optbook.contract.scale_weights_` (e.g. :func:`optbook.qk_clip_`) scales the float32 master shards
-    -- a collective, every rank calls it -- and an in-place write to a parameter made identically on every
+    -- a collective, every rank calls it; ``qk_clip_`` hands it all of a step's scalings at once, so each
+    bucket is gathered once -- and an in-place write to a parameter made identically on every
     rank (a weights-only ``model.load_state_dict``) is taken up into the masters at the next :meth:`step`.
 
     Raises:
