@@ -1,7 +1,9 @@
 """What LayerWiseMuon, DistributedMuon and FSDP2Muon share: their place on :class:`optbook.wrapper.OptimizerWrapper`
 (:class:`MuonWrapper`), the set-up of replicated parameters, Muon's orthogonalised update of full matrices, the
-Muon hyperparameters of a group, byte counting, and the checkpoint helpers (consolidation on one rank, the plain
-Muon state-dict check).
+Muon hyperparameters of a group, byte counting, and the checkpoints of LayerWiseMuon and DistributedMuon
+(:class:`ConsolidatingMuon`: the state put together on one rank or on every rank, as
+``torch.distributed.checkpoint`` needs; a ``state`` whose truth value the ranks agree on; the plain Muon
+state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
 """
