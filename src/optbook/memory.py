@@ -33,7 +33,6 @@ Units: bytes (ints where they are exact); ``GB = 1e9`` bytes (decimal, as Megatr
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch

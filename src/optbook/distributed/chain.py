@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError
 from ..wrapper import OptimizerWrapper

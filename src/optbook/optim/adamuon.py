@@ -43,10 +43,9 @@ import math
 import torch
 
 from ._functional import momentum_directions, steps_in_float32
-from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
-from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
-from .matrix_views import MatrixWork, check_group_shapes
-from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
+from .muon import ns_dtype_name, with_ns_dtype_name
+from .matrix_views import check_group_shapes
+from .normuon import MATRIX_ROUTE, check_second_moment_muon, orthogonalize, step_matrices
 from .optimizer import BookOptimizer
 
 __all__ = ["ADAMUON_VERSIONS", "AdaMuon", "adamuon"]
@@ -80,17 +79,16 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     current = version == "2025-08"
-    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
-    for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
-        p.mul_(1 - lr * weight_decay)
-        for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
-            O = orthogonalize(torch.sign(dm) if current else dm, ns_steps=ns_steps, coefficients=coefficients,
-                              ns_dtype=ns_dtype).to(p.dtype)
-            vm.mul_(beta2).addcmul_(O, O, value=1 - beta2)
-            A = O.div_((vm.sqrt() if current else (vm / (1 - beta2 ** t)).sqrt_()).add_(eps))
-            A.mul_(math.sqrt(min(pm.shape)) / (torch.linalg.vector_norm(A) + eps))
-            pm.sub_(A, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
-    work.write_back()
+
+    def normalised(k: int, dm: torch.Tensor, vm: torch.Tensor) -> torch.Tensor:
+        O = orthogonalize(torch.sign(dm) if current else dm, ns_steps=ns_steps, coefficients=coefficients,
+                          ns_dtype=ns_dtype).to(params[k].dtype)
+        vm.mul_(beta2).addcmul_(O, O, value=1 - beta2)
+        A = O.div_((vm.sqrt() if current else (vm / (1 - beta2 ** steps[k])).sqrt_()).add_(eps))
+        return A.mul_(math.sqrt(min(dm.shape)) / (torch.linalg.vector_norm(A) + eps))
+
+    step_matrices(params, directions, exp_avg_sqs, matrix_view, normalised, lr=lr, weight_decay=weight_decay,
+                  scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
 
 
 class AdaMuon(BookOptimizer):
@@ -154,12 +152,7 @@ class AdaMuon(BookOptimizer):
         super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_lr(group["lr"])
-        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
-        check_momentum(group["beta2"], "beta2")
-        check_weight_decay(group["weight_decay"])
-        check_eps(group["eps"])
-        check_orthogonalisation(group)
+        check_second_moment_muon(group)
         group.setdefault("version", "2025-07")   # a group saved before the option existed: the version it ran
         if group["version"] not in ADAMUON_VERSIONS:
             raise ValueError(f"Invalid version: expected one of {ADAMUON_VERSIONS}, got {group['version']!r}")

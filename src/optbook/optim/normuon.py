@@ -106,17 +106,47 @@ def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     matrix of a flattened or stacked tensor is stepped as a parameter of that matrix's shape would be.
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
-    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
-    for p, d, v in zip(params, directions, variance_buffers):
+
+    def normalised(k: int, dm: torch.Tensor, vm: torch.Tensor) -> torch.Tensor:
+        O = orthogonalize(dm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                          scale_invariant=scale_invariant).to(params[k].dtype)
+        vm.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
+        N = O / (vm.sqrt() + eps)
+        return N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
+
+    step_matrices(params, directions, variance_buffers, matrix_view, normalised, lr=lr, weight_decay=weight_decay,
+                  scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
+
+
+def step_matrices(params: list[torch.Tensor], directions: list[torch.Tensor], buffers: list[torch.Tensor],
+                  matrix_view: str, normalised, *, lr: float, weight_decay: float, scale_mode: str,
+                  extra_scale_factor: float) -> None:
+    """The loop NorMuon and AdaMuon share: each parameter ``p`` decays by ``1 - lr * weight_decay``, then each
+    matrix ``pm`` it steps (:class:`~optbook.optim.matrix_views.MatrixWork`: a channels_last kernel is
+    stepped on a contiguous copy, copied back) moves by ``-lr * muon_scale(pm.shape) * U``, where
+    ``U = normalised(k, dm, vm)``: ``k`` the parameter's index, ``dm`` its direction's matrix, ``vm`` its
+    second-moment buffer's (updated in place by ``normalised``); ``U`` in the parameter's dtype."""
+    work = MatrixWork(matrix_view)
+    for k, (p, d, v) in enumerate(zip(params, directions, buffers)):
         p.mul_(1 - lr * weight_decay)
         for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
-            O = orthogonalize(dm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
-                              scale_invariant=scale_invariant).to(p.dtype)
-            vm.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
-            N = O / (vm.sqrt() + eps)
-            N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
-            pm.sub_(N, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
+            pm.sub_(normalised(k, dm, vm), alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
     work.write_back()
+
+
+def check_second_moment_muon(group: dict) -> None:
+    """The checks NorMuon and AdaMuon share: ``lr``, ``momentum`` and ``nesterov``, ``beta2`` in ``[0, 1)``,
+    ``weight_decay``, ``eps``, and the Newton–Schulz and scale options (:func:`check_orthogonalisation`).
+
+    Raises:
+        ValueError, TypeError: the first bad value, named.
+    """
+    check_lr(group["lr"])
+    check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
+    check_momentum(group["beta2"], "beta2")
+    check_weight_decay(group["weight_decay"])
+    check_eps(group["eps"])
+    check_orthogonalisation(group)
 
 
 class NorMuon(BookOptimizer):
@@ -174,12 +204,7 @@ class NorMuon(BookOptimizer):
         super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
 
     def _check_hyperparameters(self, group: dict) -> None:
-        check_lr(group["lr"])
-        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
-        check_momentum(group["beta2"], "beta2")
-        check_weight_decay(group["weight_decay"])
-        check_eps(group["eps"])
-        check_orthogonalisation(group)
+        check_second_moment_muon(group)
         check_group_shapes(group, "NorMuon", MATRIX_ROUTE)
 
     def _expected_state(self, p, group):
