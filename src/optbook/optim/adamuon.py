@@ -43,10 +43,9 @@ import math
 import torch
 
 from ._functional import momentum_directions, steps_in_float32
-from .muon import ns_dtype_name, with_ns_dtype_name
+from .muon import ns_dtype_name
 from .matrix_views import check_group_shapes
-from .normuon import MATRIX_ROUTE, check_second_moment_muon, orthogonalize, step_matrices
-from .optimizer import BookOptimizer
+from .normuon import MATRIX_ROUTE, SecondMomentMuon, check_second_moment_muon, orthogonalize, step_matrices
 
 __all__ = ["ADAMUON_VERSIONS", "AdaMuon", "adamuon"]
 
@@ -91,7 +90,7 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
                   scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
 
 
-class AdaMuon(BookOptimizer):
+class AdaMuon(SecondMomentMuon):
     """AdaMuon (Si, Zhang & Shen 2025, arXiv:2507.11005, Algorithm 1): Adam's second moment on Muon's update.
 
     The derivation and the update are in the module docstring (:mod:`optbook.optim.adamuon`).
@@ -128,14 +127,11 @@ class AdaMuon(BookOptimizer):
     and dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
-            a hyperparameter out of range (the message names it), a non-finite gradient
-            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
-        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+        ValueError, TypeError: those of every matrix optimizer (:mod:`optbook.optim.matrix_views`: a shape
+            ``matrix_view`` cannot step, a hyperparameter out of range, a non-finite gradient), before
+            anything is written; TypeError also for ``ns_dtype`` not a floating dtype.
     """
 
-    elementwise = False
-    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
     state_scalars = {"step": "count"}
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
@@ -147,9 +143,6 @@ class AdaMuon(BookOptimizer):
                                       coefficients=coefficients, ns_dtype=ns_dtype_name(ns_dtype),
                                       scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
                                       version=version, matrix_view=matrix_view))
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_second_moment_muon(group)

@@ -134,6 +134,11 @@ def step_matrices(params: list[torch.Tensor], directions: list[torch.Tensor], bu
     work.write_back()
 
 
+#: The float hyperparameters of NorMuon and AdaMuon (``BookOptimizer.float_options``: read as Python floats
+#: at each step), those :func:`check_second_moment_muon` checks.
+SECOND_MOMENT_FLOATS = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
+
+
 def check_second_moment_muon(group: dict) -> None:
     """The checks NorMuon and AdaMuon share: ``lr``, ``momentum`` and ``nesterov``, ``beta2`` in ``[0, 1)``,
     ``weight_decay``, ``eps``, and the Newton–Schulz and scale options (:func:`check_orthogonalisation`).
@@ -149,7 +154,19 @@ def check_second_moment_muon(group: dict) -> None:
     check_orthogonalisation(group)
 
 
-class NorMuon(BookOptimizer):
+class SecondMomentMuon(BookOptimizer):
+    """What NorMuon and AdaMuon share as classes: not element-wise (a second moment of the orthogonalised
+    update), the float hyperparameters :data:`SECOND_MOMENT_FLOATS`, ``ns_dtype`` kept in the groups by its
+    name (``torch.distributed.checkpoint`` saves a string, not a ``torch.dtype``)."""
+
+    elementwise = False
+    float_options = SECOND_MOMENT_FLOATS
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))
+
+
+class NorMuon(SecondMomentMuon):
     """NorMuon (Li et al. 2025, arXiv:2510.05491, Algorithm 1): Muon with a per-neuron second moment.
 
     The derivation and the update are in the module docstring (:mod:`optbook.optim.normuon`).
@@ -180,14 +197,10 @@ class NorMuon(BookOptimizer):
     dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
-            a hyperparameter out of range (the message names it), a non-finite gradient
-            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
-        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+        ValueError, TypeError: those of every matrix optimizer (:mod:`optbook.optim.matrix_views`: a shape
+            ``matrix_view`` cannot step, a hyperparameter out of range, a non-finite gradient), before
+            anything is written; TypeError also for ``ns_dtype`` not a floating dtype.
     """
-
-    elementwise = False
-    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
@@ -199,9 +212,6 @@ class NorMuon(BookOptimizer):
                                       scale_mode=scale_mode,
                                       extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant,
                                       matrix_view=matrix_view))
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_second_moment_muon(group)
