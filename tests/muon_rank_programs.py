@@ -711,3 +711,44 @@ def checkpoint_acceptance(rank: int, world_size: int) -> dict:
                            [sorted(e) for e in sd["state"].values()],
                            [bitwise(r, [p.detach() for p in params]) for r in resumed])
     return out
+
+
+def bfloat16_layout_both_ways(rank: int, world_size: int) -> dict:
+    """A bfloat16 LayerWiseMuon's consolidated dict is MixedPrecisionOptimizer's layout (each float32 master in
+    its parameter's state under ``"master_param"``, where ``torch.distributed.checkpoint`` keeps it): after 2
+    steps each one's dict loads into the other, and 2 more steps of all four agree bitwise.
+    ``{"keys": (LayerWiseMuon's state keys, MixedPrecisionOptimizer's), "equal": [after 2 steps, after 4]}``."""
+    from optbook.optim import Muon
+    from optbook.precision import MixedPrecisionOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 6, generator=g).bfloat16(), torch.randn(4, 5, generator=g).bfloat16()]
+
+    def grads(ps, k):
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+
+    def build(weights, kind):
+        ps = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+        return ps, (LayerWiseMuon(ps, lr=0.02, ns_dtype=torch.float32) if kind == "layerwise"
+                    else MixedPrecisionOptimizer(Muon(ps, lr=0.02, ns_dtype=torch.float32)))
+
+    (a, la), (b, mb) = build(start, "layerwise"), build(start, "mixed")
+    for k in range(2):
+        for ps, opt in ((a, la), (b, mb)):
+            grads(ps, k)
+            opt.step()
+    equal = [bitwise([p.detach() for p in a], [p.detach() for p in b])]
+    sd, msd = copy.deepcopy(la.state_dict()), copy.deepcopy(mb.state_dict())
+    (a2, la2), (b2, mb2) = build(a, "layerwise"), build(b, "mixed")
+    la2.load_state_dict(msd)
+    mb2.load_state_dict(sd)
+    runs = ((a, la), (b, mb), (a2, la2), (b2, mb2))
+    for k in range(2, 4):
+        for ps, opt in runs:
+            grads(ps, k)
+            opt.step()
+    equal.append(all(bitwise([p.detach() for p in a], [p.detach() for p in ps]) for ps, _ in runs[1:]))
+    return {"keys": ([sorted(e) for e in sd["state"].values()], [sorted(e) for e in msd["state"].values()]),
+            "equal": equal}

@@ -16,7 +16,13 @@ import multiprocessing
 
 import pytest
 import torch
-from muon_rank_programs import MUON_SUITE_GROUPS, checkpoint_acceptance, layerwise_raise_mid_run, muon_suite
+from muon_rank_programs import (
+    MUON_SUITE_GROUPS,
+    bfloat16_layout_both_ways,
+    checkpoint_acceptance,
+    layerwise_raise_mid_run,
+    muon_suite,
+)
 
 from optbook import newton_schulz
 from optbook.distributed import (
@@ -397,3 +403,12 @@ def test_the_chain_dict_is_torch_layout_over_both_members_and_the_older_layout_s
         assert indices == [0, 1, 2] and groups == [[0, 1], [2]]
         assert entries == [["momentum_buffer"], ["momentum_buffer"], ["exp_avg", "exp_avg_sq", "step"]]
         assert resumed == [True, True]   # the new layout and the older one resume bitwise
+
+
+def test_a_bfloat16_layerwise_checkpoint_is_mixed_precision_layout_and_loads_both_ways():
+    # the masters travel in each parameter's state (DCP keeps only "state" and "param_groups"), as
+    # MixedPrecisionOptimizer writes them, so either dict resumes the other bitwise
+    (rep,) = launch(bfloat16_layout_both_ways, 1, timeout=scaled_timeout(60.0))
+    both = [["master_param", "momentum_buffer"]] * 2
+    assert rep["keys"] == (both, both)
+    assert rep["equal"] == [True, True]
