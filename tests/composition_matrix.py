@@ -62,16 +62,6 @@ STEPS = 4
 #: (optimizer, wrapper, feature) -> reason: a failure expected until it is fixed (the test marks these cells
 #: xfail, strict: a fix shows up as a pass to be recorded; the table shows them as failures).
 KNOWN: dict[tuple[str, str, str], str] = {}
-_NO_DCP = ("torch.distributed.checkpoint calls the optimizer's state_dict() on every rank, which LayerWiseMuon "
-           "and DistributedMuon give only after consolidate_state_dict() (ZeRO-1's consolidates on every rank "
-           "then)")
-for _w, _opts in (("DistributedChain", ("SGD", "AdamW", "Muon", "ScheduleFreeAdamW")),
-                  ("DistributedChain, bfloat16", ("SGD", "AdamW", "Muon", "ScheduleFreeAdamW")),
-                  ("LayerWiseMuon", ("Muon",)), ("LayerWiseMuon, bfloat16", ("Muon",)),
-                  ("DistributedMuon", ("Muon",))):
-    for _o in _opts:
-        for _f in ("DCP full", "DCP sharded"):
-            KNOWN[(_o, _w, _f)] = _NO_DCP
 
 
 @dataclass

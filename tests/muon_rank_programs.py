@@ -90,15 +90,19 @@ def layerwise_bad_input(rank: int, world_size: int, *, group=None, kind: str = "
     set_grads(params, good)
     opt.step()
     checkpoint_errors = {}
-    try:
-        opt.state_dict()  # not consolidated since the last step
-        checkpoint_errors["not consolidated"] = None
-    except RuntimeError as e:
-        checkpoint_errors["not consolidated"] = (type(e).__name__, str(e))
+    everywhere = copy.deepcopy(opt.state_dict())   # nothing consolidated since the last step: on every rank
     opt.consolidate_state_dict(to=0)
-    saved = opt.state_dict() if rank == 0 else None
+    try:
+        saved = opt.state_dict()   # rank 0 only, now
+        checkpoint_errors["elsewhere"] = None
+    except RuntimeError as e:
+        saved = None
+        checkpoint_errors["elsewhere"] = (type(e).__name__, str(e))
     shared = [saved]
     dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    checkpoint_errors["everywhere_equal"] = (sorted(everywhere["state"]) == sorted(shared[0]["state"]) and all(
+        torch.equal(everywhere["state"][i]["momentum_buffer"], e["momentum_buffer"])
+        for i, e in shared[0]["state"].items()))
     bad = copy.deepcopy(shared[0])
     first = min(bad["state"])
     bad["state"][first]["momentum_buffer"] = bad["state"][first]["momentum_buffer"].t()[:1]
@@ -506,9 +510,14 @@ def chain_contract(rank: int, world_size: int, *, group=None) -> dict:
     with torch.no_grad():
         for p, q in zip(fresh_params, out["after_errors"]):
             p.copy_(q)
-    for case, sd in (("load_other", {**good, "adamw": foreign["adamw"]}),
-                     ("load_other_muon", {**good, "muon": {**good["muon"], "state": {
-                         i: {"momentum_buffer": m["momentum_buffer"].t()} for i, m in good["muon"]["state"].items()}}})):
+    # torch's layout over the chain's groups: the Muon member's parameters first (indices < n), then AdamW's
+    n, k = len(matrices), len(chain.muon.param_groups)
+    other_adamw = {**good, "param_groups": good["param_groups"][:k] + foreign["param_groups"][k:],
+                   "state": {**{i: e for i, e in good["state"].items() if i < n},
+                             **{i: e for i, e in foreign["state"].items() if i >= n}}}
+    other_muon = {**good, "state": {i: {"momentum_buffer": e["momentum_buffer"].t()} if i < n else e
+                                    for i, e in good["state"].items()}}
+    for case, sd in (("load_other", other_adamw), ("load_other_muon", other_muon)):
         before = _chain_snapshot(fm, fo, fresh)
         err = _error(lambda sd=sd: fresh.load_state_dict(sd))
         out[case] = (err, bitwise(before, _chain_snapshot(fm, fo, fresh)))
@@ -643,8 +652,9 @@ def checkpoint_acceptance(rank: int, world_size: int) -> dict:
         sd, shard = shared[0], copy.deepcopy(chain.sharded_state_dict())
         one_step(params, chain, 2)  # the state now differs from the checkpoint
         if which == "consolidated":
-            for entry in sd["muon"]["state"].values():
-                entry["momentum_buffer"] = entry["momentum_buffer"].float()
+            for entry in sd["state"].values():
+                if "momentum_buffer" in entry:   # the Muon member's (torch's layout over both members)
+                    entry["momentum_buffer"] = entry["momentum_buffer"].float()
             load = lambda: chain.load_state_dict(sd)  # noqa: E731
         else:
             assert shard["muon"]["state"], "each rank owns a matrix"
@@ -677,4 +687,68 @@ def checkpoint_acceptance(rank: int, world_size: int) -> dict:
             empty[name] = _error(lambda cls=cls: cls(fresh(), lr=0.02).load_state_dict(adamw_sd))
     out["scheduler_keys"], out["adamw_empty_state"] = keys, empty
     out["scheduled_lr"] = sd["param_groups"][0]["lr"]
+
+    # The chain's dict is torch's layout over both members (what torch.distributed.checkpoint reads): the two
+    # matrices (indices 0, 1) then the AdamW vector (2). The older {"muon": ..., "adamw": ...} layout of the
+    # same state still loads, to the same steps.
+    params, chain = build()
+    one_step(params, chain, 0)
+    sd = chain.state_dict()   # nothing consolidated: put together on every rank (a collective)
+    old = {"muon": {"state": {i: e for i, e in sd["state"].items() if i < 2}, "param_groups": sd["param_groups"][:1]},
+           "adamw": {"state": {i - 2: e for i, e in sd["state"].items() if i >= 2},
+                     "param_groups": [{**g, "params": [i - 2 for i in g["params"]]} for g in sd["param_groups"][1:]]}}
+    resumed = []
+    for layout in (sd, old):
+        p2, c2 = build()
+        with torch.no_grad():
+            for a, b in zip(p2, params):
+                a.copy_(b)
+        c2.load_state_dict(copy.deepcopy(layout))
+        one_step(p2, c2, 1)
+        resumed.append([p.detach().clone() for p in p2])
+    one_step(params, chain, 1)
+    out["chain_layout"] = (sorted(sd), sorted(sd["state"]), [g["params"] for g in sd["param_groups"]],
+                           [sorted(e) for e in sd["state"].values()],
+                           [bitwise(r, [p.detach() for p in params]) for r in resumed])
     return out
+
+
+def bfloat16_layout_both_ways(rank: int, world_size: int) -> dict:
+    """A bfloat16 LayerWiseMuon's consolidated dict is MixedPrecisionOptimizer's layout (each float32 master in
+    its parameter's state under ``"master_param"``, where ``torch.distributed.checkpoint`` keeps it): after 2
+    steps each one's dict loads into the other, and 2 more steps of all four agree bitwise.
+    ``{"keys": (LayerWiseMuon's state keys, MixedPrecisionOptimizer's), "equal": [after 2 steps, after 4]}``."""
+    from optbook.optim import Muon
+    from optbook.precision import MixedPrecisionOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 6, generator=g).bfloat16(), torch.randn(4, 5, generator=g).bfloat16()]
+
+    def grads(ps, k):
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+
+    def build(weights, kind):
+        ps = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+        return ps, (LayerWiseMuon(ps, lr=0.02, ns_dtype=torch.float32) if kind == "layerwise"
+                    else MixedPrecisionOptimizer(Muon(ps, lr=0.02, ns_dtype=torch.float32)))
+
+    (a, la), (b, mb) = build(start, "layerwise"), build(start, "mixed")
+    for k in range(2):
+        for ps, opt in ((a, la), (b, mb)):
+            grads(ps, k)
+            opt.step()
+    equal = [bitwise([p.detach() for p in a], [p.detach() for p in b])]
+    sd, msd = copy.deepcopy(la.state_dict()), copy.deepcopy(mb.state_dict())
+    (a2, la2), (b2, mb2) = build(a, "layerwise"), build(b, "mixed")
+    la2.load_state_dict(msd)
+    mb2.load_state_dict(sd)
+    runs = ((a, la), (b, mb), (a2, la2), (b2, mb2))
+    for k in range(2, 4):
+        for ps, opt in runs:
+            grads(ps, k)
+            opt.step()
+    equal.append(all(bitwise([p.detach() for p in a], [p.detach() for p in ps]) for ps, _ in runs[1:]))
+    return {"keys": ([sorted(e) for e in sd["state"].values()], [sorted(e) for e in msd["state"].values()]),
+            "equal": equal}

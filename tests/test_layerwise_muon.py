@@ -16,7 +16,13 @@ import multiprocessing
 
 import pytest
 import torch
-from muon_rank_programs import MUON_SUITE_GROUPS, checkpoint_acceptance, layerwise_raise_mid_run, muon_suite
+from muon_rank_programs import (
+    MUON_SUITE_GROUPS,
+    bfloat16_layout_both_ways,
+    checkpoint_acceptance,
+    layerwise_raise_mid_run,
+    muon_suite,
+)
 
 from optbook import newton_schulz
 from optbook.distributed import (
@@ -292,7 +298,13 @@ def test_bad_input_on_one_rank_makes_every_rank_raise_before_any_write(runs, ref
             assert bad["constructor_errors"]["gather"] == (
                 "ValueError", "Invalid gather: expected one of ('all', 'touched'), got 'some'")
         ckpt = bad["checkpoint_errors"]
-        assert ckpt["not consolidated"][0] == "RuntimeError" and "consolidate_state_dict" in ckpt["not consolidated"][1]
+        # state_dict() with nothing consolidated: the same dict on every rank; after consolidate_state_dict(to=0),
+        # only on rank 0 (the others are told where it is)
+        assert ckpt["everywhere_equal"]
+        if rank == 0:
+            assert ckpt["elsewhere"] is None
+        else:
+            assert ckpt["elsewhere"][0] == "RuntimeError" and "consolidated on rank 0" in ckpt["elsewhere"][1]
         assert ckpt["shape"][0] == "ValueError" and "momentum_buffer of parameter" in ckpt["shape"][1]
         assert ckpt["untouched"]
     afters = [rep[kind]["after"] for rep in runs[world_size]]
@@ -382,3 +394,21 @@ def test_a_plain_muon_checkpoint_with_scheduler_keys_loads_into_the_distributed_
         # an optimizer without Muon's hyperparameters (AdamW, before any step: no state to tell) is refused
         for name, err in rep["adamw_empty_state"].items():
             assert err is not None and err[0] == "ValueError" and "another optimizer" in err[1], (name, err)
+
+
+def test_the_chain_dict_is_torch_layout_over_both_members_and_the_older_layout_still_loads(acceptance):
+    for rep in acceptance:
+        keys, indices, groups, entries, resumed = rep["chain_layout"]
+        assert keys == ["param_groups", "skipped_steps", "state"]
+        assert indices == [0, 1, 2] and groups == [[0, 1], [2]]
+        assert entries == [["momentum_buffer"], ["momentum_buffer"], ["exp_avg", "exp_avg_sq", "step"]]
+        assert resumed == [True, True]   # the new layout and the older one resume bitwise
+
+
+def test_a_bfloat16_layerwise_checkpoint_is_mixed_precision_layout_and_loads_both_ways():
+    # the masters travel in each parameter's state (DCP keeps only "state" and "param_groups"), as
+    # MixedPrecisionOptimizer writes them, so either dict resumes the other bitwise
+    (rep,) = launch(bfloat16_layout_both_ways, 1, timeout=scaled_timeout(60.0))
+    both = [["master_param", "momentum_buffer"]] * 2
+    assert rep["keys"] == (both, both)
+    assert rep["equal"] == [True, True]

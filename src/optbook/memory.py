@@ -33,7 +33,6 @@ Units: bytes (ints where they are exact); ``GB = 1e9`` bytes (decimal, as Megatr
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -244,6 +243,11 @@ class Component:
         return self.bytes - self.host_bytes
 
 
+def _column_sum(column: str, doc: str) -> property:
+    """A :class:`Ledger` property: the sum of ``column`` of every :class:`Component` row, in their order."""
+    return property(lambda self: sum(getattr(c, column) for c in self.components), doc=doc)
+
+
 @dataclass(frozen=True)
 class Ledger:
     """Predicted bytes of one rank, by component (the rows of :func:`ledger`'s formula; chapter 16).
@@ -263,22 +267,11 @@ class Ledger:
                 return c
         raise KeyError(f"no component {name!r}; the rows are {[c.name for c in self.components]}")
 
-    @property
-    def total_bytes(self) -> float:
-        return sum(c.bytes for c in self.components)
-
-    @property
-    def device_bytes(self) -> float:
-        return sum(c.device_bytes for c in self.components)
-
-    @property
-    def host_bytes(self) -> float:
-        return sum(c.host_bytes for c in self.components)
-
-    @property
-    def bytes_per_param(self) -> float:
-        """Device and host bytes per parameter of this rank (e.g. 18, or 6 + 12/d)."""
-        return sum(c.per_param for c in self.components)
+    total_bytes = _column_sum("bytes", "Bytes on this rank, device and host, over every row.")
+    device_bytes = _column_sum("device_bytes", "Bytes on this rank's device, over every row.")
+    host_bytes = _column_sum("host_bytes", "Bytes of this rank kept on the host, over every row.")
+    bytes_per_param = _column_sum("per_param", "Device and host bytes per parameter of this rank (e.g. 18, or "
+                                  "6 + 12/d).")
 
     @property
     def optimizer_state_bytes(self) -> float:

@@ -119,15 +119,8 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int,
         TypeError: ``batch_size`` or ``seq_len`` not an int.
         ValueError: ``batch_size`` or ``seq_len`` below 1, or ``seq_len + 1 > n``.
     """
-    check_int("batch_size", batch_size, 1)
-    check_int("seq_len", seq_len, 1)
-    n = tokens.numel()
-    if seq_len + 1 > n:
-        raise ValueError(f"Invalid seq_len: {seq_len} + 1 exceeds the {n} tokens")
-    starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    windows = tokens[idx]
-    return windows[:, :-1], windows[:, 1:]
+    n = _tokens_for(tokens, seq_len, (("batch_size", batch_size), ("seq_len", seq_len)))
+    return _windows(tokens, torch.randint(0, n - seq_len, (batch_size,), generator=generator), seq_len)
 
 
 def eval_batches(tokens: torch.Tensor, seq_len: int, n_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +131,22 @@ def eval_batches(tokens: torch.Tensor, seq_len: int, n_windows: int) -> tuple[to
         TypeError: ``seq_len`` or ``n_windows`` not an int.
         ValueError: ``seq_len`` or ``n_windows`` below 1, or ``seq_len + 1 > n``.
     """
-    check_int("seq_len", seq_len, 1)
-    check_int("n_windows", n_windows, 1)
+    n = _tokens_for(tokens, seq_len, (("seq_len", seq_len), ("n_windows", n_windows)))
+    return _windows(tokens, torch.linspace(0, n - seq_len - 1, n_windows).long(), seq_len)
+
+
+def _tokens_for(tokens: torch.Tensor, seq_len: int, counts: tuple) -> int:
+    """Check ``counts`` (``(name, value)`` pairs, ``seq_len``'s among them: ints ``>= 1``, in this order), then
+    ``seq_len + 1 <= n``; return ``n``, the number of tokens."""
+    for name, value in counts:
+        check_int(name, value, 1)
     n = tokens.numel()
     if seq_len + 1 > n:
         raise ValueError(f"Invalid seq_len: {seq_len} + 1 exceeds the {n} tokens")
-    starts = torch.linspace(0, n - seq_len - 1, n_windows).long()
+    return n
+
+
+def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of ``seq_len + 1`` tokens at ``starts`` ``(k,)``, as inputs and next-token targets."""
     windows = tokens[starts[:, None] + torch.arange(seq_len + 1)]
     return windows[:, :-1], windows[:, 1:]

@@ -1,7 +1,9 @@
 """What LayerWiseMuon, DistributedMuon and FSDP2Muon share: their place on :class:`optbook.wrapper.OptimizerWrapper`
 (:class:`MuonWrapper`), the set-up of replicated parameters, Muon's orthogonalised update of full matrices, the
-Muon hyperparameters of a group, byte counting, and the checkpoint helpers (consolidation on one rank, the plain
-Muon state-dict check).
+Muon hyperparameters of a group, byte counting, and the checkpoints of LayerWiseMuon and DistributedMuon
+(:class:`ConsolidatingMuon`: the state put together on one rank or on every rank, as
+``torch.distributed.checkpoint`` needs; a ``state`` whose truth value the ranks agree on; the plain Muon
+state-dict check).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,8 @@ from ..optim.optimizer import BookOptimizer, check_hyperparameters
 from ..wrapper import OptimizerWrapper
 from ._comm import check_same_params, global_rank, param_name, params_difference
 
-__all__ = ["MUON_KEYS", "MuonWrapper", "check_max_grad_norm", "check_muon_state_dict", "consolidate", "consolidated_state", "hyper",
+__all__ = ["MUON_KEYS", "AgreedState", "ConsolidatingMuon", "MuonWrapper", "check_max_grad_norm", "check_muon_state_dict",
+           "consolidate", "hyper",
            "nbytes", "load_plain", "plain_state_dict", "replicated", "broadcast_from_first", "scaled_orthogonal", "shard_parts"]
 
 #: The hyperparameters the functional core :func:`optbook.optim.functional.muon` takes from a param group.
@@ -126,6 +129,86 @@ class MuonWrapper(OptimizerWrapper):
     def __repr__(self) -> str:
         options = self._repr_options()
         return torch.optim.Optimizer.__repr__(self)[:-1] + (f"{options}\n)" if options else ")")
+
+
+class AgreedState(defaultdict):
+    """An optimizer's ``state`` (``{parameter: dict}``, this rank's entries) whose truth value is whether
+    **any** rank holds state (``any_rank``, the same on every rank) or this one does.
+
+    ``torch.distributed.checkpoint.state_dict`` reads ``if optim.state:`` on every rank to decide on its
+    priming step (``_init_optim_state``: a step at ``lr`` 0 on zero gradients, :mod:`optbook.wrapper`). A
+    rank that owns no matrix (LayerWiseMuon) or no piece holds no entry; were its answer its own, it would
+    prime alone and wait in a collective the others never enter. ZeRO-1's state view agrees the same way."""
+
+    any_rank = False
+
+    def __bool__(self) -> bool:
+        return self.any_rank or len(self) > 0
+
+
+class ConsolidatingMuon(MuonWrapper):
+    """LayerWiseMuon and DistributedMuon: each rank holds part of the state, and the checkpoint is the plain
+    Muon layout put together from every rank's part.
+
+    * ``state`` is an :class:`AgreedState` over this rank's entries: empty or not alike on every rank (set
+      by a step that made state and by a load, which every rank makes alike);
+    * :meth:`consolidate_state_dict` ``(to)`` gathers the parts on rank ``to`` (a collective), for
+      ``state_dict()`` there; ``state_dict()`` when nothing was consolidated since the last step or load
+      gathers them on **every** rank (a collective then: every rank calls it, as
+      ``torch.distributed.checkpoint.state_dict``'s ``get_``/``set_optimizer_state_dict`` do; ZeRO-1's
+      ``state_dict`` does the same).
+
+    A subclass gives :meth:`_local_checkpoint` (its part, picklable, on the CPU) and :meth:`_assemble` (the
+    plain dict from every rank's parts).
+    """
+
+    _has_state = False   # some rank holds state: after a step that made some, or a load of a dict with state
+    _consolidated = None   # (to, the dict on rank ``to``, None on the others), until the next step or load
+
+    @property
+    def state(self) -> AgreedState:
+        raw = self.__dict__.get("state")
+        if type(raw) is not AgreedState:   # torch.optim's load_state_dict puts a plain defaultdict there
+            raw = AgreedState(dict, raw or {})
+            self.__dict__["state"] = raw
+        raw.any_rank = bool(self._has_state)
+        return raw
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = AgreedState(dict, value)
+
+    def _local_checkpoint(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _assemble(self, gathered: list) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's part of the state on group rank ``to`` (a collective), for :meth:`state_dict`
+        there. The result is dropped at the next step or load.
+
+        Raises:
+            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+        """
+        gathered = consolidate(self, self._local_checkpoint(), to)
+        self._consolidated = (to, None if gathered is None else self._assemble(gathered))
+
+    def _state_dict(self) -> dict:
+        """The consolidated dict on the rank :meth:`consolidate_state_dict` sent it to; when nothing was
+        consolidated since the last step or load, put together on every rank (a collective).
+
+        Raises:
+            RuntimeError: consolidated on another rank since the last step (call it there).
+        """
+        if self._consolidated is None:
+            return self._assemble(consolidate(self, self._local_checkpoint(), None))
+        to, consolidated = self._consolidated
+        if consolidated is None:
+            raise RuntimeError(f"{type(self).__name__}.state_dict: the state was consolidated on rank {to}, this is "
+                               f"rank {self.rank}; call state_dict() on rank {to}, or consolidate_state_dict(to="
+                               f"{self.rank}) on every rank first")
+        return consolidated
 
 
 def replicated(opt, process_group, world_size: int, who: str, refused: tuple, why: str):
@@ -235,16 +318,17 @@ def check_muon_state_dict(state_dict, opt) -> int:
     return skipped
 
 
-def consolidated_state(opt) -> dict:
-    """``opt._consolidated``, or a RuntimeError saying how to get it."""
-    if opt._consolidated is None:
-        raise RuntimeError(f"{type(opt).__name__}.state_dict: nothing consolidated on rank {opt.rank}; call "
-                           "consolidate_state_dict(to=rank) on every rank first, then state_dict() on that rank")
-    return opt._consolidated
+def consolidate(opt, local, to):
+    """Gather ``local`` (picklable, per rank) on group rank ``to``: the list of every rank's there, ``None``
+    elsewhere; ``to=None``: on every rank (``all_gather_object``). A collective.
 
-
-def consolidate(opt, local, to: int):
-    """Gather ``local`` (picklable, per rank) on group rank ``to``; the list of every rank's, or None elsewhere."""
+    Raises:
+        TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
+    """
+    if to is None:
+        gathered = [None] * opt.world_size
+        dist.all_gather_object(gathered, local, group=opt.process_group)
+        return gathered
     to = check_int("to", to, 0)
     if to >= opt.world_size:
         raise ValueError(f"Invalid to: expected a rank in 0 .. {opt.world_size - 1}, got {to}")

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError
 from ..wrapper import OptimizerWrapper
 from ._comm import check_int
-from ._muon_common import check_max_grad_norm
+from ._muon_common import AgreedState, check_max_grad_norm
 from .fsdp2 import FSDP2Muon
 from .layerwise_muon import LayerWiseMuon
 from .zero1 import DistributedOptimizer
@@ -42,9 +40,12 @@ class DistributedChain(OptimizerWrapper):
 
     ``param_groups`` is the members' groups (Muon's first), so one learning-rate scheduler drives both. The
     step and state-dict hooks of ``torch.optim.Optimizer`` (``register_step_pre_hook``, ...) run as there.
-    Checkpoints: :meth:`consolidate_state_dict` (a collective) then :meth:`state_dict` on the receiving rank
-    gives ``{"muon": ..., "adamw": ..., "skipped_steps": ...}``; :meth:`load_state_dict` validates both
-    members' dicts before either loads.
+    Checkpoints: :meth:`state_dict` is ``torch.optim``'s layout over :attr:`param_groups` (both members' state
+    by one index, float32 masters under ``"master_param"``), on the rank :meth:`consolidate_state_dict` (a
+    collective) sent it to, or on every rank (a collective) when nothing was consolidated -- so
+    ``torch.distributed.checkpoint``'s ``get_``/``set_optimizer_state_dict`` (full or sharded) work, and a
+    read before the first step changes nothing (each member's priming is undone or harmless: zero momentum).
+    :meth:`load_state_dict` validates both members' parts before either loads.
 
     Non-finite gradients (the step contract, :mod:`optbook.contract`): there is no loss scaler, so a mean
     gradient holding ``inf`` or ``NaN`` in either member makes :meth:`step` raise
@@ -102,7 +103,6 @@ class DistributedChain(OptimizerWrapper):
         self.optimizers = [muon, adamw]
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.defaults = {**adamw.defaults, **muon.defaults}
-        self.state = {}  # the members keep their own (sharded) state
         self._init_wrapper()   # hooks (the step's run by the template), found_inf, skipped_steps, last_grad_norm
 
     @property
@@ -112,6 +112,20 @@ class DistributedChain(OptimizerWrapper):
     @param_groups.setter
     def param_groups(self, value) -> None:
         raise AttributeError("DistributedChain.param_groups is the members' groups")
+
+    @property
+    def state(self) -> dict:
+        """``{parameter: its state}``: a view of both members' ``state`` (this rank's entries, rebuilt at each
+        access; the per-parameter dicts are the members' own). Its truth value is whether either member's
+        is true -- whether any rank holds state, the same on every rank -- so that
+        ``torch.distributed.checkpoint`` primes on every rank or none."""
+        view = AgreedState(dict, {**self.muon.state, **self.adamw.state})
+        view.any_rank = bool(self.muon.state) or bool(self.adamw.state)
+        return view
+
+    @state.setter
+    def state(self, value) -> None:
+        raise AttributeError("DistributedChain.state is a view of the members' state; load a state dict instead")
 
     def inner_optimizers(self) -> list:
         return [self.muon, self.adamw]
@@ -182,14 +196,47 @@ class DistributedChain(OptimizerWrapper):
         self.adamw.consolidate_state_dict(to)
 
     def _state_dict(self) -> dict:
-        """``{"muon": the LayerWiseMuon's consolidated dict, "adamw": the DistributedOptimizer's,
-        "skipped_steps": int}`` on the rank :meth:`consolidate_state_dict` sent them to (``state_dict()``,
-        with the state-dict hooks run as in ``torch.optim``).
+        """``state_dict()`` (the state-dict hooks run as in ``torch.optim``): ``torch.optim``'s layout over
+        :attr:`param_groups` -- ``{"state": {index: state}, "param_groups": [the Muon member's groups, then
+        the AdamW member's], "skipped_steps": int}``, parameters numbered in that order (the Muon member's
+        first), each member's state (and float32 masters, under ``"master_param"``) as its own
+        ``state_dict()`` gives it. This is what ``torch.distributed.checkpoint``'s
+        ``get_``/``set_optimizer_state_dict`` read and write. On the rank :meth:`consolidate_state_dict`
+        sent it to, or, when nothing was consolidated since the last step or load, on every rank (a
+        collective: every rank calls it, as DCP does).
 
         Raises:
-            RuntimeError: not consolidated on this rank since the last step.
+            RuntimeError: consolidated on another rank since the last step.
         """
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "skipped_steps": self.skipped_steps}
+        muon, adamw = self.muon.state_dict(), self.adamw.state_dict()
+        n = sum(len(g["params"]) for g in self.muon.param_groups)
+        state = {**{i: s for i, s in muon["state"].items()}, **{n + i: s for i, s in adamw["state"].items()}}
+        groups = muon["param_groups"] + [{**g, "params": [n + i for i in g["params"]]} for g in adamw["param_groups"]]
+        return {"state": dict(sorted(state.items())), "param_groups": groups, "skipped_steps": self.skipped_steps}
+
+    def _split(self, state_dict) -> tuple[dict, dict]:
+        """The members' dicts in ``state_dict`` (:meth:`_state_dict`'s layout; parameters matched by position
+        in the groups, whatever their keys), or of the older ``{"muon": ..., "adamw": ...}`` layout."""
+        if isinstance(state_dict, dict) and {"muon", "adamw"} <= set(state_dict):
+            return state_dict["muon"], state_dict["adamw"]
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+                state_dict.get("param_groups"), (list, tuple)):
+            raise TypeError("Invalid state_dict: expected a dict with 'state' and 'param_groups' (from "
+                            "DistributedChain.state_dict())")
+        groups, k = list(state_dict["param_groups"]), len(self.muon.param_groups)
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"Invalid state_dict: it has {len(groups)} param groups, this chain has "
+                             f"{len(self.param_groups)} ({k} of the Muon member, then the AdamW member's)")
+        parts = []
+        for part in (groups[:k], groups[k:]):
+            ids = {i for g in part if isinstance(g, dict) for i in (g.get("params") or [])}
+            parts.append({"state": {i: s for i, s in state_dict["state"].items() if i in ids},
+                          "param_groups": part})
+        named = set().union(*(set(p["state"]) for p in parts))
+        extra = [i for i in state_dict["state"] if i not in named]
+        if extra:
+            raise ValueError(f"Invalid state_dict: state for parameter {extra[0]!r}, which no group lists")
+        return parts[0], parts[1]
 
     def check_state_dict(self, state_dict) -> None:
         """The chain's layout, ``skipped_steps`` and the Muon member's whole dict, writing nothing (the AdamW
@@ -198,20 +245,20 @@ class DistributedChain(OptimizerWrapper):
         Raises:
             TypeError, ValueError: the first problem found.
         """
-        if not isinstance(state_dict, dict) or not {"muon", "adamw"} <= set(state_dict):
-            raise TypeError("Invalid state_dict: expected a dict with 'muon' and 'adamw' (from "
-                            "DistributedChain.state_dict())")
+        muon, _ = self._split(state_dict)
         check_int("state_dict['skipped_steps']", state_dict.get("skipped_steps", self.skipped_steps), 0)
-        self.muon.check_state_dict(state_dict["muon"])
+        self.muon.check_state_dict(muon)
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        """``load_state_dict(state_dict)``: a dict from :meth:`state_dict` (any world size). Not a collective:
-        call it on every rank with the same dict. All or nothing: :meth:`check_state_dict` first, then the
-        ``DistributedOptimizer`` loads its own (it validates the whole dict before writing), and only then
-        the Muon member; a dict without ``"skipped_steps"`` (saved before it existed) loads.
+        """``load_state_dict(state_dict)``: a dict from :meth:`state_dict` (any world size; also the older
+        ``{"muon": ..., "adamw": ...}`` layout). Not a collective: call it on every rank with the same dict.
+        All or nothing: :meth:`check_state_dict` first, then the ``DistributedOptimizer`` loads its part (it
+        validates it whole before writing), and only then the Muon member; a dict without
+        ``"skipped_steps"`` (saved before it existed) loads.
         """
-        self.adamw.load_state_dict(state_dict["adamw"])
-        self.muon.load_state_dict(state_dict["muon"])
+        muon, adamw = self._split(state_dict)
+        self.adamw.load_state_dict(adamw)
+        self.muon.load_state_dict(muon)
         self.skipped_steps = state_dict.get("skipped_steps", self.skipped_steps)
 
     def sharded_state_dict(self) -> dict:

@@ -39,7 +39,7 @@ __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "ze
 GATHERS = ("all", "touched")
 
 
-class DistributedMuon(common.MuonWrapper, Muon):
+class DistributedMuon(common.ConsolidatingMuon, Muon):
     """Moonlight's distributed Muon (Liu et al. 2025, Algorithm 1): ZeRO-1 element shards, each matrix
     gathered whole for Newton–Schulz (module docstring).
 
@@ -141,7 +141,7 @@ class DistributedMuon(common.MuonWrapper, Muon):
         self.comm_bytes = {"reduce_scatter": 0, "gather": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
-        self._consolidated: dict | None = None
+        self._consolidated = None
         self._index = {id(p): i for i, p in enumerate(all_params)}
         self._versions = VersionTracker()
         self._ready: tuple | None = None   # (has_grad, shards, norm) from prepare_grads, for the next phases
@@ -278,6 +278,7 @@ class DistributedMuon(common.MuonWrapper, Muon):
         this rank's part of the update into the flat parameter buffer; :meth:`publish_weights` follows."""
         has_grad = self._prepared()[0]
         self._ready = None
+        self._has_state = self._has_state or any(has_grad)   # has_grad is agreed: alike on every rank
         # 3. momentum on this rank's pieces; the directions into a gather buffer
         groups = [self._read_floats(g) for g in self.param_groups]
         directions = {d: torch.zeros(n, dtype=self.gather_dtype, device=self.device)
@@ -345,17 +346,7 @@ class DistributedMuon(common.MuonWrapper, Muon):
         self._versions.record(self._params)
 
     # --- checkpoints ------------------------------------------------------------------------------------
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's momentum pieces on group rank ``to`` and assemble whole momentum matrices (a
-        collective), for :meth:`state_dict`. The result is dropped at the next :meth:`step`.
-
-        Raises:
-            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
-        """
-        gathered = common.consolidate(self, self._local_pieces(), to)
-        self._consolidated = None if gathered is None else self._assemble(gathered)
-
-    def _local_pieces(self) -> list[tuple]:
+    def _local_checkpoint(self) -> list[tuple]:
         """``(index, param_start, param_end, momentum piece on the CPU)`` for each piece with momentum here."""
         return [(piece.index, piece.param_start, piece.param_end,
                  self.state[self._params[piece.index]]["momentum_shard"].detach().cpu().clone())
@@ -372,18 +363,20 @@ class DistributedMuon(common.MuonWrapper, Muon):
         return {"state": {i: {"momentum_buffer": buffers[i].view(self.layout.params[i].shape)} for i in sorted(buffers)},
                 "param_groups": plain["param_groups"], "skipped_steps": self.skipped_steps}
 
-    def _state_dict(self) -> dict:
-        """``state_dict()`` (the base runs the hooks): the consolidated state on the rank
-        :meth:`consolidate_state_dict` sent it to, in the plain ``optbook.optim.Muon`` layout (``{"state":
+    def state_dict(self) -> dict:
+        """The consolidated state (``ConsolidatingMuon`` of ``optbook.distributed._muon_common``): on the rank
+        :meth:`consolidate_state_dict` sent it to, or, when nothing was consolidated since the last step or
+        load, on **every** rank (a collective: every rank calls it, as ``torch.distributed.checkpoint``'s
+        ``get_``/``set_optimizer_state_dict`` do). The plain ``optbook.optim.Muon`` layout (``{"state":
         {index: {"momentum_buffer": tensor}}, "param_groups": [...]}``, parameters numbered in param-group
         order, tensors on the CPU) plus ``"skipped_steps"``. It loads into a single-process
         :class:`optbook.optim.Muon` over the same parameters, into a :class:`LayerWiseMuon` and into a
         DistributedMuon at any world size.
 
         Raises:
-            RuntimeError: not consolidated on this rank since the last step.
+            RuntimeError: consolidated on another rank since the last step (call it on that rank).
         """
-        return common.consolidated_state(self)
+        return super().state_dict()
 
     def check_state_dict(self, state_dict) -> None:
         """Check a dict for ``load_state_dict`` without writing anything (group and parameter counts,
@@ -412,6 +405,7 @@ class DistributedMuon(common.MuonWrapper, Muon):
                 self.state[self._params[piece.index]]["momentum_shard"] = flat.to(self.device).clone()
         self.skipped_steps = skipped
         self._consolidated = None
+        self._has_state = bool(full)   # the same dict on every rank
 
     # --- sharded checkpoints: one file per rank --------------------------------------------------------------
     def sharded_state_dict(self) -> dict:
@@ -426,7 +420,7 @@ class DistributedMuon(common.MuonWrapper, Muon):
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],
-                "momentum": self._local_pieces(), "param_groups": plain["param_groups"],
+                "momentum": self._local_checkpoint(), "param_groups": plain["param_groups"],
                 "skipped_steps": self.skipped_steps}
 
     def load_sharded_state_dict(self, shards) -> None:

@@ -49,15 +49,13 @@ from ..clipping import _reduce_device, clip_coefficient, grad_sumsq, scale_grads
 from ..contract import VersionTracker, register_owner
 from ..optim import Muon
 from ..optim.functional import muon
-from ..masters import take_up_
+from ..masters import MASTER_KEY, take_up_
 from . import _comm
 from ._muon_common import (
-    MuonWrapper,
+    ConsolidatingMuon,
     broadcast_from_first,
     check_max_grad_norm,
     check_muon_state_dict,
-    consolidate,
-    consolidated_state,
     hyper,
     load_plain,
     nbytes,
@@ -73,7 +71,7 @@ __all__ = ["DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_lo
 
 
 # --- layer-wise: whole matrices per rank --------------------------------------------------------------------
-class LayerWiseMuon(MuonWrapper, Muon):
+class LayerWiseMuon(ConsolidatingMuon, Muon):
     """Muon with whole-matrix ownership across the ranks of a process group (module docstring).
 
     Build it on every rank with the same parameters (each rank a replica of the model), run the backward
@@ -100,7 +98,8 @@ class LayerWiseMuon(MuonWrapper, Muon):
         owners: the owner rank of each parameter, in param-group order; ``costs``: their :func:`ns_cost`;
             ``loads``: the total cost per rank.
         state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state); float32
-            for a bfloat16 parameter.
+            for a bfloat16 parameter. Its truth value is whether any rank holds state (the same on every
+            rank, so that ``torch.distributed.checkpoint`` primes on every rank or none).
         master_params: ``{index: float32 master}`` of the bfloat16 matrices this rank owns (``1/d`` of the
             masters; empty for float32/float64 parameters, which are their own masters).
         comm_bytes: ``{"all_reduce": ..., "all_gather": ..., "control": ...}`` bytes counted since
@@ -184,7 +183,7 @@ class LayerWiseMuon(MuonWrapper, Muon):
         self.comm_bytes = {"all_reduce": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
-        self._consolidated: dict | None = None
+        self._consolidated = None
         self._mean_grads: list | None = None
         broadcast_from_first(all_params, group)
         self.master_params: dict[int, torch.Tensor] = {
@@ -307,6 +306,7 @@ class LayerWiseMuon(MuonWrapper, Muon):
         mean = self._prepared()
         self._mean_grads = None
         self.take_up_outside_writes()
+        self._has_state = self._has_state or any(g is not None for g in mean)   # alike on every rank
         i = 0
         for group in self.param_groups:
             group = self._read_floats(group)
@@ -384,10 +384,10 @@ class LayerWiseMuon(MuonWrapper, Muon):
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def _low_indices(self) -> list[int]:
-        """The indices (param-group order) of the bfloat16 parameters: the order of ``"master_params"``."""
+        """The indices (param-group order) of the bfloat16 parameters (those with a float32 master)."""
         return [i for i, p in enumerate(self._params) if p.dtype in _comm.LOW_PRECISION]
 
-    def _local_state(self) -> tuple[dict, dict]:
+    def _local_checkpoint(self) -> tuple[dict, dict]:
         """``({index: state}, {index: master})`` of the matrices this rank owns, on the CPU."""
         state = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                      for k, v in self.state[p].items()}
@@ -395,70 +395,83 @@ class LayerWiseMuon(MuonWrapper, Muon):
         return state, {i: m.detach().cpu().clone() for i, m in self.master_params.items()}
 
     def _plain(self, state: dict, masters: dict, param_groups: list, skipped: int) -> dict:
-        plain = {"state": {i: state[i] for i in sorted(state)}, "param_groups": param_groups, "skipped_steps": skipped}
-        low = self._low_indices()
-        if low:
-            plain["master_params"] = [masters.get(i) for i in low]
-        return plain
+        """The plain layout, each float32 master in its parameter's state under ``"master_param"``."""
+        entries = {i: dict(state.get(i, {})) for i in sorted(set(state) | set(masters))}
+        for i, m in masters.items():
+            entries[i][MASTER_KEY] = m
+        return {"state": entries, "param_groups": param_groups, "skipped_steps": skipped}
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every owner's momentum (and masters) on group rank ``to`` (a collective), for
-        :meth:`state_dict`.
-
-        Raises:
-            TypeError, ValueError: ``to`` is not a rank of the group (on every rank, before communicating).
-        """
-        gathered = consolidate(self, self._local_state(), to)
-        if gathered is None:
-            self._consolidated = None
-            return
+    def _assemble(self, gathered: list) -> dict:
         state, masters = {}, {}
         for part_state, part_masters in gathered:
             state.update(part_state)
             masters.update(part_masters)
-        self._consolidated = self._plain(state, masters, plain_state_dict(self)["param_groups"], self.skipped_steps)
+        return self._plain(state, masters, plain_state_dict(self)["param_groups"], self.skipped_steps)
 
-    def _state_dict(self) -> dict:
-        """The consolidated state on the rank :meth:`consolidate_state_dict` sent it to: the plain
-        ``optbook.optim.Muon`` layout (``{"state": {index: {"momentum_buffer": tensor}}, "param_groups":
-        [...]}``, parameters numbered in param-group order, tensors on the CPU) plus ``"skipped_steps"``
-        (which ``torch.optim`` ignores) and, with bfloat16 parameters, ``"master_params"``: their float32
-        masters in param-group order, as :class:`optbook.precision.MixedPrecisionOptimizer` lists them (the
-        momentum of a bfloat16 parameter is float32). It loads into a single-process
-        :class:`optbook.optim.Muon` over the same parameters (which ignores the masters and keeps its momentum
-        in the parameter's dtype) and into a LayerWiseMuon at any world size.
+    def state_dict(self) -> dict:
+        """The consolidated state (``ConsolidatingMuon`` of ``optbook.distributed._muon_common``): on the rank
+        :meth:`consolidate_state_dict` sent it to, or, when nothing was consolidated since the last step or
+        load, on **every** rank (a collective: every rank calls it, as ``torch.distributed.checkpoint``'s
+        ``get_``/``set_optimizer_state_dict`` do).
+
+        Returns:
+            The plain ``optbook.optim.Muon`` layout -- ``{"state": {index: {"momentum_buffer": tensor}},
+            "param_groups": [...]}``, parameters numbered in param-group order, tensors on the CPU -- plus
+            ``"skipped_steps"`` (which ``torch.optim`` ignores); the float32 master of each bfloat16 parameter
+            is in its state under ``"master_param"`` (:data:`optbook.masters.MASTER_KEY`, the layout of
+            :class:`optbook.precision.MixedPrecisionOptimizer`, which DCP keeps; the momentum of a bfloat16
+            parameter is float32). It loads into a single-process :class:`optbook.optim.Muon` over the same
+            float32/float64 parameters, into ``MixedPrecisionOptimizer(Muon(...))`` over bfloat16 ones, and
+            into a LayerWiseMuon at any world size.
 
         Raises:
-            RuntimeError: not consolidated on this rank since the last step.
+            RuntimeError: consolidated on another rank since the last step (call it on that rank).
         """
-        return consolidated_state(self)
+        return super().state_dict()
 
-    def _checked(self, state_dict) -> tuple[dict, int, list | None]:
-        """Everything :meth:`load_state_dict` checks, writing nothing: ``(the dict with the momentum of each
-        bfloat16 parameter as float32, skipped_steps, the float32 masters or None)``."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            low = set(self._low_indices())
-            widened = {i: ({k: v.to(torch.float32) if k == "momentum_buffer" and isinstance(v, torch.Tensor)
-                            and v.dtype in _comm.LOW_PRECISION else v for k, v in entry.items()}
-                           if i in low and isinstance(entry, dict) else entry)
-                       for i, entry in state_dict["state"].items()}
-            state_dict = {**state_dict, "state": widened}
-        skipped = check_muon_state_dict(state_dict, self)
-        masters = state_dict.get("master_params")
+    def _checked(self, state_dict) -> tuple[dict, int, dict]:
+        """Everything :meth:`load_state_dict` checks, writing nothing: ``(the plain Muon dict without the
+        masters and with the momentum of each bfloat16 parameter as float32, skipped_steps, {index: float32
+        master})``. Parameters are matched by position in the groups (the keys may be any: DCP writes names)."""
+        masters: dict[int, torch.Tensor] = {}
         low = self._low_indices()
-        if masters is not None:
-            if not isinstance(masters, (list, tuple)) or len(masters) != len(low):
-                raise ValueError(f"Invalid state_dict: 'master_params' must be a list of {len(low)} float32 "
-                                 "tensors (one per bfloat16 parameter, in param-group order)")
-            for k, (i, m) in enumerate(zip(low, masters)):
-                if m is None and self.owners[i] != self.rank:
-                    continue
-                if (not isinstance(m, torch.Tensor) or m.dtype != torch.float32
-                        or tuple(m.shape) != tuple(self._params[i].shape)):
-                    what = f"shape {tuple(m.shape)}, {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
-                    raise ValueError(f"Invalid state_dict: master_params[{k}] "
-                                     f"({_comm.param_name(self.param_groups, i)}) "
-                                     f"has {what}; expected a float32 tensor of the parameter's shape")
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) and isinstance(
+                state_dict.get("param_groups"), (list, tuple)):
+            ids = [i for g in state_dict["param_groups"] if isinstance(g, dict)
+                   for i in (g.get("params") or [])]
+            index_of = {saved: k for k, saved in enumerate(ids)}
+            entries = {}
+            for saved, entry in state_dict["state"].items():
+                i = index_of.get(saved)
+                if isinstance(entry, dict) and MASTER_KEY in entry:
+                    if i is None or i not in low:
+                        raise ValueError(f"Invalid state_dict: state[{saved!r}] holds a {MASTER_KEY!r} for a "
+                                         "parameter that is not bfloat16 (it is its own master)")
+                    masters[i] = entry[MASTER_KEY]
+                    entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+                    if not entry:   # a master saved before the first step: no momentum yet
+                        continue
+                if i in low and isinstance(entry, dict):   # a bfloat16 momentum (a single-process Muon's)
+                    entry = {k: v.to(torch.float32) if k == "momentum_buffer" and isinstance(v, torch.Tensor)
+                             and v.dtype in _comm.LOW_PRECISION else v for k, v in entry.items()}
+                entries[saved] = entry
+            old = state_dict.get("master_params")   # the older layout: a list in the order of low
+            if old is not None:
+                if not isinstance(old, (list, tuple)) or len(old) != len(low):
+                    raise ValueError(f"Invalid state_dict: 'master_params' must be a list of {len(low)} float32 "
+                                     "tensors (one per bfloat16 parameter, in param-group order)")
+                masters.update({i: m for i, m in zip(low, old) if m is not None})
+            state_dict = {**{k: v for k, v in state_dict.items() if k != "master_params"}, "state": entries}
+        skipped = check_muon_state_dict(state_dict, self)
+        for i, m in masters.items():
+            if (not isinstance(m, torch.Tensor) or m.dtype != torch.float32
+                    or tuple(m.shape) != tuple(self._params[i].shape)):
+                what = f"shape {tuple(m.shape)}, {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(f"Invalid state_dict: the master of {_comm.param_name(self.param_groups, i)} "
+                                 f"has {what}; expected a float32 tensor of the parameter's shape")
+            if not bool(torch.isfinite(m).all()):
+                raise ValueError(f"Invalid state_dict: the master of {_comm.param_name(self.param_groups, i)} "
+                                 "holds inf or NaN; nothing was loaded")
         return state_dict, skipped, masters
 
     def check_state_dict(self, state_dict) -> None:
@@ -471,17 +484,19 @@ class LayerWiseMuon(MuonWrapper, Muon):
 
     def _load_state_dict(self, state_dict: dict) -> None:
         """``load_state_dict(state_dict)`` (the base runs the hooks and :meth:`check_state_dict` first): a plain
-        Muon state dict (from :meth:`state_dict` at any world size, or from
-        :meth:`optbook.optim.Muon.state_dict`); each rank keeps the momentum (and the float32 masters) of the
-        matrices it owns. Not a collective: call it on every rank with the same dict. A dict without
-        ``"master_params"`` (a single-process Muon's) takes each bfloat16 master from the parameter as it
-        is now, and a bfloat16 momentum is widened to float32.
+        Muon state dict (from :meth:`state_dict` at any world size, from :meth:`optbook.optim.Muon.state_dict`
+        or from ``MixedPrecisionOptimizer(Muon(...)).state_dict()``; parameters matched by position); each
+        rank keeps the momentum (and the float32 masters) of the matrices it owns. Not a collective: call it
+        on every rank with the same dict. A bfloat16 parameter without ``"master_param"`` in its state (a
+        single-process Muon's dict) takes its master from the parameter as it is now, and a bfloat16 momentum
+        is widened to float32. A dict of the older layout (masters in a top-level ``"master_params"`` list)
+        loads the same.
 
         Raises:
             TypeError, ValueError: the whole dict is validated first (``check_muon_state_dict`` of
                 :mod:`optbook.distributed._muon_common`: group and parameter counts, hyperparameters, state
                 keys, momentum shapes -- a checkpoint of another model or optimizer is refused -- and the
-                masters' count, shapes and dtype); nothing is loaded then.
+                masters' shapes, dtype and values); nothing is loaded then.
         """
         state_dict, skipped, masters = self._checked(state_dict)
         load_plain(self, {"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
@@ -489,13 +504,13 @@ class LayerWiseMuon(MuonWrapper, Muon):
             if self.owners[i] != self.rank:
                 self.state.pop(p, None)
         with torch.no_grad():
-            for k, i in enumerate(self._low_indices()):
+            for i in self._low_indices():
                 if i in self.master_params:
-                    source = self._params[i] if masters is None else masters[k]
-                    self.master_params[i].copy_(source.detach().to(torch.float32))
+                    self.master_params[i].copy_(masters.get(i, self._params[i]).detach().to(torch.float32))
         self._versions.record(self._params)
         self.skipped_steps = skipped
         self._consolidated = None
+        self._has_state = bool(state_dict["state"])   # the same dict on every rank
 
     # --- sharded checkpoints: one file per rank --------------------------------------------------------------
     def sharded_state_dict(self) -> dict:
@@ -507,7 +522,7 @@ class LayerWiseMuon(MuonWrapper, Muon):
             owns, "master_params": {index: float32 CPU master} of the bfloat16 ones it owns, "param_groups":
             as :meth:`state_dict`, "skipped_steps"}``.
         """
-        state, masters = self._local_state()
+        state, masters = self._local_checkpoint()
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
                 "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "state": state, "master_params": masters, "param_groups": plain_state_dict(self)["param_groups"],
@@ -522,9 +537,6 @@ class LayerWiseMuon(MuonWrapper, Muon):
             state.update(sd["state"])
             masters.update(sd.get("master_params", {}))
         plain = self._plain(state, masters, parts[0]["param_groups"], parts[0]["skipped_steps"])
-        if "master_params" in plain and any(m is None and self.owners[i] == self.rank
-                                            for i, m in zip(self._low_indices(), plain["master_params"])):
-            del plain["master_params"]   # files without this rank's masters: taken from the parameters
         return plain
 
     def check_sharded_state_dict(self, shards) -> None:

@@ -43,11 +43,9 @@ import math
 import torch
 
 from ._functional import momentum_directions, steps_in_float32
-from .._checks import check_eps, check_lr, check_momentum, check_nesterov, check_weight_decay
-from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
-from .matrix_views import MatrixWork, check_group_shapes
-from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
-from .optimizer import BookOptimizer
+from .muon import ns_dtype_name
+from .matrix_views import check_group_shapes
+from .normuon import MATRIX_ROUTE, SecondMomentMuon, check_second_moment_muon, orthogonalize, step_matrices
 
 __all__ = ["ADAMUON_VERSIONS", "AdaMuon", "adamuon"]
 
@@ -80,20 +78,19 @@ def adamuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
     current = version == "2025-08"
-    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
-    for p, d, v, t in zip(params, directions, exp_avg_sqs, steps):
-        p.mul_(1 - lr * weight_decay)
-        for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
-            O = orthogonalize(torch.sign(dm) if current else dm, ns_steps=ns_steps, coefficients=coefficients,
-                              ns_dtype=ns_dtype).to(p.dtype)
-            vm.mul_(beta2).addcmul_(O, O, value=1 - beta2)
-            A = O.div_((vm.sqrt() if current else (vm / (1 - beta2 ** t)).sqrt_()).add_(eps))
-            A.mul_(math.sqrt(min(pm.shape)) / (torch.linalg.vector_norm(A) + eps))
-            pm.sub_(A, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
-    work.write_back()
+
+    def normalised(k: int, dm: torch.Tensor, vm: torch.Tensor) -> torch.Tensor:
+        O = orthogonalize(torch.sign(dm) if current else dm, ns_steps=ns_steps, coefficients=coefficients,
+                          ns_dtype=ns_dtype).to(params[k].dtype)
+        vm.mul_(beta2).addcmul_(O, O, value=1 - beta2)
+        A = O.div_((vm.sqrt() if current else (vm / (1 - beta2 ** steps[k])).sqrt_()).add_(eps))
+        return A.mul_(math.sqrt(min(dm.shape)) / (torch.linalg.vector_norm(A) + eps))
+
+    step_matrices(params, directions, exp_avg_sqs, matrix_view, normalised, lr=lr, weight_decay=weight_decay,
+                  scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
 
 
-class AdaMuon(BookOptimizer):
+class AdaMuon(SecondMomentMuon):
     """AdaMuon (Si, Zhang & Shen 2025, arXiv:2507.11005, Algorithm 1): Adam's second moment on Muon's update.
 
     The derivation and the update are in the module docstring (:mod:`optbook.optim.adamuon`).
@@ -130,14 +127,11 @@ class AdaMuon(BookOptimizer):
     and dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
-            a hyperparameter out of range (the message names it), a non-finite gradient
-            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
-        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+        ValueError, TypeError: those of every matrix optimizer (:mod:`optbook.optim.matrix_views`: a shape
+            ``matrix_view`` cannot step, a hyperparameter out of range, a non-finite gradient), before
+            anything is written; TypeError also for ``ns_dtype`` not a floating dtype.
     """
 
-    elementwise = False
-    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
     state_scalars = {"step": "count"}
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
@@ -150,16 +144,8 @@ class AdaMuon(BookOptimizer):
                                       scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
                                       version=version, matrix_view=matrix_view))
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name (DCP)
-
     def _check_hyperparameters(self, group: dict) -> None:
-        check_lr(group["lr"])
-        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
-        check_momentum(group["beta2"], "beta2")
-        check_weight_decay(group["weight_decay"])
-        check_eps(group["eps"])
-        check_orthogonalisation(group)
+        check_second_moment_muon(group)
         group.setdefault("version", "2025-07")   # a group saved before the option existed: the version it ran
         if group["version"] not in ADAMUON_VERSIONS:
             raise ValueError(f"Invalid version: expected one of {ADAMUON_VERSIONS}, got {group['version']!r}")

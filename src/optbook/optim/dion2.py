@@ -131,10 +131,9 @@ class Dion2(BookOptimizer):
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
-            a hyperparameter out of range (the message names it), a non-finite gradient
-            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
-        TypeError: as for every optimizer of :mod:`optbook.optim`; ``fraction`` given as a tensor.
+        ValueError, TypeError: those of every matrix optimizer (:mod:`optbook.optim.matrix_views`: a shape
+            ``matrix_view`` cannot step, a hyperparameter out of range, a non-finite gradient), before
+            anything is written; TypeError also for ``fraction`` given as a tensor.
     """
 
     elementwise = False

@@ -39,6 +39,12 @@ on a contiguous copy that is copied back, so the result does not depend on the m
 ``channels_last`` kernel gets bitwise the step of the same kernel stored contiguously (Keller's
 ``view`` raises on it).
 
+**Errors.** Each of these optimizers raises, before anything is written: ``ValueError`` for a parameter
+whose shape its ``matrix_view`` cannot step (under ``"matrix"``, one that is not 2-D), a hyperparameter
+out of range (the message names it) or a non-finite gradient
+(:class:`~optbook.contract.NonFiniteGradientError`); ``TypeError`` as every optimizer of
+:mod:`optbook.optim` (a hyperparameter of the wrong type). Each class's docstring adds its own.
+
 Stacks: ``pytorch/pytorch#197202`` (batch dimensions in ``torch.optim.Muon``: per-head and per-expert
 Muon), torchtitan's grouped-expert Muon and microsoft/dion's ``flatten=False``/``num_heads`` treat
 leading dimensions the same way.

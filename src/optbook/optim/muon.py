@@ -313,6 +313,15 @@ def orthogonalized_blocks(directions: list[torch.Tensor], *, ns_steps: int = 5, 
     return ortho
 
 
+def momentum_buffers(state, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's ``state[p]["momentum_buffer"]``, made (zeros of the parameter's shape, dtype and
+    memory format) where it has none yet: the lazy state of Muon and Scion."""
+    for p in params:
+        if "momentum_buffer" not in state[p]:
+            state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return [state[p]["momentum_buffer"] for p in params]
+
+
 class Muon(BookOptimizer):
     """Muon for hidden-layer weights: matrices, and conv kernels or stacks of matrices when a group says so
     (``matrix_view``); use :func:`muon_param_groups` to route the rest to AdamW.
@@ -481,11 +490,8 @@ class Muon(BookOptimizer):
             group = {**group, "lr": torch.tensor(float(group["lr"]), dtype=torch.float32, device=device),
                      "momentum": torch.tensor(float(group["momentum"]), dtype=torch.float64, device=device),
                      "weight_decay": torch.tensor(float(group["weight_decay"]), dtype=torch.float64, device=device)}
-        for p in params:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
-             lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+        update(params, [p.grad for p in params], momentum_buffers(self.state, params), lr=group["lr"],
+             momentum=group["momentum"], nesterov=group["nesterov"],
              weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], coefficients=group["coefficients"],
              scale_mode=group["scale_mode"], extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
              ns_dtype=group["ns_dtype"], head_split=group["head_split"], gram=group["gram"],

@@ -106,20 +106,67 @@ def normuon(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buff
     matrix of a flattened or stacked tensor is stepped as a parameter of that matrix's shape would be.
     """
     directions = momentum_directions(momentum_buffers, grads, momentum, nesterov)
-    work = MatrixWork(matrix_view)   # a channels_last kernel: stepped on a contiguous copy, copied back
-    for p, d, v in zip(params, directions, variance_buffers):
+
+    def normalised(k: int, dm: torch.Tensor, vm: torch.Tensor) -> torch.Tensor:
+        O = orthogonalize(dm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                          scale_invariant=scale_invariant).to(params[k].dtype)
+        vm.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
+        N = O / (vm.sqrt() + eps)
+        return N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
+
+    step_matrices(params, directions, variance_buffers, matrix_view, normalised, lr=lr, weight_decay=weight_decay,
+                  scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
+
+
+def step_matrices(params: list[torch.Tensor], directions: list[torch.Tensor], buffers: list[torch.Tensor],
+                  matrix_view: str, normalised, *, lr: float, weight_decay: float, scale_mode: str,
+                  extra_scale_factor: float) -> None:
+    """The loop NorMuon and AdaMuon share: each parameter ``p`` decays by ``1 - lr * weight_decay``, then each
+    matrix ``pm`` it steps (:class:`~optbook.optim.matrix_views.MatrixWork`: a channels_last kernel is
+    stepped on a contiguous copy, copied back) moves by ``-lr * muon_scale(pm.shape) * U``, where
+    ``U = normalised(k, dm, vm)``: ``k`` the parameter's index, ``dm`` its direction's matrix, ``vm`` its
+    second-moment buffer's (updated in place by ``normalised``); ``U`` in the parameter's dtype."""
+    work = MatrixWork(matrix_view)
+    for k, (p, d, v) in enumerate(zip(params, directions, buffers)):
         p.mul_(1 - lr * weight_decay)
         for pm, dm, vm in zip(work.work(p), work.read(d), work.work(v)):
-            O = orthogonalize(dm, ns_steps=ns_steps, coefficients=coefficients, ns_dtype=ns_dtype,
-                              scale_invariant=scale_invariant).to(p.dtype)
-            vm.lerp_((O * O).mean(dim=1, keepdim=True), 1 - beta2)
-            N = O / (vm.sqrt() + eps)
-            N.mul_(torch.linalg.vector_norm(O) / torch.linalg.vector_norm(N).clamp_min(eps))
-            pm.sub_(N, alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
+            pm.sub_(normalised(k, dm, vm), alpha=lr * muon_scale(pm.shape, scale_mode, extra_scale_factor))
     work.write_back()
 
 
-class NorMuon(BookOptimizer):
+#: The float hyperparameters of NorMuon and AdaMuon (``BookOptimizer.float_options``: read as Python floats
+#: at each step), those :func:`check_second_moment_muon` checks.
+SECOND_MOMENT_FLOATS = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
+
+
+def check_second_moment_muon(group: dict) -> None:
+    """The checks NorMuon and AdaMuon share: ``lr``, ``momentum`` and ``nesterov``, ``beta2`` in ``[0, 1)``,
+    ``weight_decay``, ``eps``, and the Newton–Schulz and scale options (:func:`check_orthogonalisation`).
+
+    Raises:
+        ValueError, TypeError: the first bad value, named.
+    """
+    check_lr(group["lr"])
+    check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
+    check_momentum(group["beta2"], "beta2")
+    check_weight_decay(group["weight_decay"])
+    check_eps(group["eps"])
+    check_orthogonalisation(group)
+
+
+class SecondMomentMuon(BookOptimizer):
+    """What NorMuon and AdaMuon share as classes: not element-wise (a second moment of the orthogonalised
+    update), the float hyperparameters :data:`SECOND_MOMENT_FLOATS`, ``ns_dtype`` kept in the groups by its
+    name (``torch.distributed.checkpoint`` saves a string, not a ``torch.dtype``)."""
+
+    elementwise = False
+    float_options = SECOND_MOMENT_FLOATS
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(with_ns_dtype_name(param_group))
+
+
+class NorMuon(SecondMomentMuon):
     """NorMuon (Li et al. 2025, arXiv:2510.05491, Algorithm 1): Muon with a per-neuron second moment.
 
     The derivation and the update are in the module docstring (:mod:`optbook.optim.normuon`).
@@ -150,14 +197,10 @@ class NorMuon(BookOptimizer):
     dtype). A float16/bfloat16 parameter is stepped in float32.
 
     Raises:
-        ValueError: a parameter whose shape ``matrix_view`` cannot step (the default: one that is not 2-D),
-            a hyperparameter out of range (the message names it), a non-finite gradient
-            (:class:`~optbook.contract.NonFiniteGradientError`); nothing is written.
-        TypeError: as for every optimizer of :mod:`optbook.optim`; ``ns_dtype`` not a floating dtype.
+        ValueError, TypeError: those of every matrix optimizer (:mod:`optbook.optim.matrix_views`: a shape
+            ``matrix_view`` cannot step, a hyperparameter out of range, a non-finite gradient), before
+            anything is written; TypeError also for ``ns_dtype`` not a floating dtype.
     """
-
-    elementwise = False
-    float_options = ("lr", "momentum", "beta2", "weight_decay", "eps", "extra_scale_factor")
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, beta2: float = 0.95,
                  weight_decay: float = 0.0, eps: float = 1e-8, ns_steps: int = 5, coefficients="simple",
@@ -170,16 +213,8 @@ class NorMuon(BookOptimizer):
                                       extra_scale_factor=extra_scale_factor, scale_invariant=scale_invariant,
                                       matrix_view=matrix_view))
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(with_ns_dtype_name(param_group))   # ns_dtype stored as its name
-
     def _check_hyperparameters(self, group: dict) -> None:
-        check_lr(group["lr"])
-        check_nesterov(group["nesterov"], check_momentum(group["momentum"]))
-        check_momentum(group["beta2"], "beta2")
-        check_weight_decay(group["weight_decay"])
-        check_eps(group["eps"])
-        check_orthogonalisation(group)
+        check_second_moment_muon(group)
         check_group_shapes(group, "NorMuon", MATRIX_ROUTE)
 
     def _expected_state(self, p, group):

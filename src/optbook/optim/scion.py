@@ -42,7 +42,7 @@ import torch
 
 from ._functional import momentum_directions, steps_in_float32
 from .._checks import check_lr, check_momentum, check_nesterov, check_number, check_weight_decay
-from .muon import muon_scale, ns_dtype_name, with_ns_dtype_name
+from .muon import momentum_buffers, muon_scale, ns_dtype_name, with_ns_dtype_name
 from .normuon import MATRIX_ROUTE, check_orthogonalisation, orthogonalize
 from .optimizer import BookOptimizer
 
@@ -161,11 +161,8 @@ class Scion(BookOptimizer):
 
     def _step_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        scion(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
-              lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+        scion(params, [p.grad for p in params], momentum_buffers(self.state, params), lr=group["lr"],
+              momentum=group["momentum"], nesterov=group["nesterov"],
               weight_decay=group["weight_decay"], norm=group["norm"], radius=group["radius"],
               ns_steps=group["ns_steps"], coefficients=group["coefficients"], ns_dtype=group["ns_dtype"],
               scale_mode=group["scale_mode"])
