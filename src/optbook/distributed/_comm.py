@@ -16,9 +16,9 @@ from ..contract import NonFiniteGradientError
 from .._checks import LOW_PRECISION, check_int
 from ..optim.optimizer import all_finite, nonfinite_checked_by_caller
 
-__all__ = ["LOW_PRECISION", "agree", "all_gather", "check_int", "check_same_params", "first_nonfinite",
-           "global_rank", "group_info", "group_position", "param_name", "params_difference", "raise_nonfinite_across",
-           "reduce_scatter", "validate_locally", "validate_on_every_rank"]
+__all__ = ["LOW_PRECISION", "agree", "all_gather", "check_int", "check_same_params", "consolidated_here",
+           "first_nonfinite", "global_rank", "group_info", "group_position", "param_name", "params_difference",
+           "raise_nonfinite_across", "reduce_scatter", "validate_locally", "validate_on_every_rank"]
 
 # torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
 #: ``all_gather(output, input, group=)``: every rank's ``input`` concatenated into ``output``.
@@ -172,3 +172,17 @@ def raise_nonfinite_across(who: str, index: int | None, param_groups: list[dict]
     raise NonFiniteGradientError(
         f"{who}.step: the mean gradient of {where} holds inf or NaN, on every rank; nothing was written on any "
         f"rank. {advice}")
+
+
+def consolidated_here(who: str, consolidated: tuple, rank: int) -> dict:
+    """The state dict ``consolidate_state_dict(to)`` left on this rank: ``consolidated`` is ``(to, the dict on
+    rank to, None on the others)`` (ZeRO-1, LayerWiseMuon and DistributedMuon keep it so).
+
+    Raises:
+        RuntimeError: it was consolidated on another rank (naming both ranks and what to call).
+    """
+    to, state_dict = consolidated
+    if state_dict is None:
+        raise RuntimeError(f"{who}.state_dict: the state was consolidated on rank {to}, this is rank {rank}; call "
+                           f"state_dict() on rank {to}, or consolidate_state_dict(to={rank}) on every rank first")
+    return state_dict

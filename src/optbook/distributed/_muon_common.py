@@ -23,7 +23,7 @@ from ..optim.muon import orthogonalized_blocks
 from .._checks import check_int, check_number
 from ..optim.optimizer import BookOptimizer, check_hyperparameters
 from ..wrapper import OptimizerWrapper
-from ._comm import check_same_params, global_rank, param_name, params_difference
+from ._comm import check_same_params, consolidated_here, global_rank, param_name, params_difference
 
 __all__ = ["MUON_KEYS", "AgreedState", "ConsolidatingMuon", "MuonWrapper", "check_max_grad_norm", "check_muon_state_dict",
            "consolidate", "hyper",
@@ -203,12 +203,7 @@ class ConsolidatingMuon(MuonWrapper):
         """
         if self._consolidated is None:
             return self._assemble(consolidate(self, self._local_checkpoint(), None))
-        to, consolidated = self._consolidated
-        if consolidated is None:
-            raise RuntimeError(f"{type(self).__name__}.state_dict: the state was consolidated on rank {to}, this is "
-                               f"rank {self.rank}; call state_dict() on rank {to}, or consolidate_state_dict(to="
-                               f"{self.rank}) on every rank first")
-        return consolidated
+        return consolidated_here(type(self).__name__, self._consolidated, self.rank)
 
 
 def replicated(opt, process_group, world_size: int, who: str, refused: tuple, why: str):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..masters import MASTER_KEY
-from ._comm import LOW_PRECISION, check_int
+from ._comm import LOW_PRECISION, check_int, consolidated_here
 
 __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
 
@@ -196,12 +196,7 @@ class Zero1Checkpoints:
         """
         if self._consolidated is None:
             return self._consolidate_everywhere()
-        to, consolidated = self._consolidated
-        if consolidated is None:
-            raise RuntimeError(f"DistributedOptimizer.state_dict: the state was consolidated on rank {to}, this is "
-                               f"rank {self.rank}; call state_dict() on rank {to}, or consolidate_state_dict(to="
-                               f"{self.rank}) on every rank first")
-        return consolidated
+        return consolidated_here("DistributedOptimizer", self._consolidated, self.rank)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from the
