@@ -1,7 +1,9 @@
 """Shared test fixtures: a reproducible multi-group problem to drive optimizers side by side."""
 
 import copy
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -91,3 +93,12 @@ def check_readme_section(name: str, generated: str, path=None) -> None:
         path.write_text(text[:i] + body + text[j:])
     else:
         assert text[i:j] == body, f"{path}'s {name} section is stale: rerun with OPTBOOK_UPDATE_README=1"
+
+
+def load_tool(name: str):
+    """The script ``tools/<name>.py`` imported as a module (the tools are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,7 +6,6 @@ end, the way `make grade` does it: the notebook executed from the top in a fresh
 The otter-grader parts need the `grade` extra (`pip install -e '.[grade]'`) and are skipped without it.
 """
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,20 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import scaled_timeout
+from helpers import load_tool, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-grade = _load("grade")
-student_build = _load("student_build")
+grade = load_tool("grade")
+student_build = load_tool("student_build")
 GRADED = grade.chapters()
 FILES = [f for c in GRADED for f in grade.test_files(c)]
 
@@ -130,7 +123,7 @@ def test_notebook_edits_apply_once(tmp_path):
     """tools/apply_notebook_edits.py finds the place of every graded solution cell and every figure in
     the book, inserts each once (a second run changes nothing), and the student build turns each graded
     cell into its answer cell; grading/NOTEBOOK_EDITS.md is what the tool prints."""
-    edits = _load("apply_notebook_edits")
+    edits = load_tool("apply_notebook_edits")
     chapters = sorted(set(GRADED) | {f["chapter"] for f in edits.figures()})
     paths = []
     for chapter in chapters:

@@ -5,7 +5,6 @@ agree with the records they come from. The same for CONTRIBUTING.md and benchmar
 rest moved (CONTRIBUTING.md's layout block must match the tree)."""
 
 import contextlib
-import importlib.util
 import io
 import math
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import scaled_timeout
+from helpers import load_tool, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -28,12 +27,6 @@ RECORDS = (ROOT / "records" / "README.md").read_text(encoding="utf-8")
 PAGES = {"README.md": README, "CONTRIBUTING.md": CONTRIBUTING, "benchmarks/README.md": BENCHMARKS,
          "records/README.md": RECORDS}
 
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 readme_numbers = load_tool("readme_numbers")

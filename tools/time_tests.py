@@ -15,7 +15,8 @@ a crowded one (a run is appended; earlier runs stay)::
     python tools/time_tests.py --copies 2 --keep /tmp/clones   # keep the clones (and their logs)
 
 The time is shown, never asserted by a test (a loaded machine is slower, and that is not a failure);
-what the record asserts is that every copy passed. Standard library only.
+what the record asserts is that every copy passed. Standard library only (and the benchmarks'
+``recording.cpu_model``).
 """
 
 from __future__ import annotations
@@ -33,18 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from recording import cpu_model  # noqa: E402  (the CPU as every benchmark record names it)
 RECORD = ROOT / "records" / "test_times.json"
 SUMMARY_RE = re.compile(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s.*=+$", re.M)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def load_average() -> float:
