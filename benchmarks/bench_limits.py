@@ -9,7 +9,8 @@ factored statistics are a few bytes, but its update needs three passes, one afte
 column statistics and the parameter's RMS (g and p read), the update's RMS for the clipping (g read), the
 update itself (g and p read, p written); it counts 12 more (g twice, p once). The limit is that many bytes per
 parameter times the parameters, divided by the best bandwidth measured in the same run by passes over the
-same memory (``copy_`` of one flat buffer: 8 bytes per element; ``torch._foreach_lerp_(m, g)``: 12;
+same memory (``copy_`` between two flat buffers of 3 x the parameters, larger than a CPU's last-level cache
+as a step's working set is: 8 bytes per element; ``torch._foreach_lerp_(m, g)``: 12;
 ``torch._foreach_addcmul_(p, m, v)``: 16, over the parameter list), as ``bench_adamw.py`` does. Rows, for
 SGD, Adam, AdamW, Lion, Adafactor and Schedule-Free AdamW: the default eager step of ``optbook.optim``,
 optbook's ``fused=True`` (SGD, Adam, AdamW), torch's ``foreach`` and ``fused`` steps where ``torch.optim``
@@ -213,8 +214,11 @@ def elementwise(args, lines: list[str]) -> dict:
     plist = [p.detach() for group in ref.param_groups for p in group["params"]]
     mlist = [ref.state[p]["exp_avg"] for group in ref.param_groups for p in group["params"]]
     vlist = [ref.state[p]["exp_avg_sq"] for group in ref.param_groups for p in group["params"]]
-    src, dst = torch.randn(numel), torch.empty(numel)
-    passes = {"copy_": ("dst.copy_(src)", {"src": src, "dst": dst}, 8),
+    # copy_ over 3 x numel elements per buffer: 2 x 50 MB here, past any L3 cache, as a step's own working set
+    # is (p, g, m, v: 67 MB for Adam). Over 2 x 17 MB the pass ran from the cache (67 GB/s on a 32 MB L3).
+    copy_factor = 3
+    src, dst = torch.randn(copy_factor * numel), torch.empty(copy_factor * numel)
+    passes = {"copy_": ("dst.copy_(src)", {"src": src, "dst": dst}, 8 * copy_factor),
               "foreach lerp_ (m, g)": ("torch._foreach_lerp_(m, g, 0.0)",
                                        {"torch": torch, "m": mlist, "g": [g.clone() for g in grads]}, 12),
               "foreach addcmul_ (p, m, v)": ("torch._foreach_addcmul_(p, m, v, value=0.0)",

@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for path in clones:
             clone(path)
-            subprocess.run(["make", "setup"], cwd=path, check=True, env=env, stdout=subprocess.DEVNULL)
+        setups = [subprocess.Popen(["make", "setup"], cwd=path, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL) for path in clones]   # side by side: not timed
+        if any([p.wait() != 0 for p in setups]):   # wait for every one
+            raise SystemExit("make setup failed in a clone; run it there by hand to see why")
         before = load_average()
         results = run_copies(clones, env)
         after = load_average()
