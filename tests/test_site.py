@@ -34,6 +34,7 @@ and skips, saying why, what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
@@ -111,8 +112,10 @@ def server(site):
     httpd.server_close()
 
 
-@pytest.fixture(scope="module")
-def browser(server):
+@contextlib.contextmanager
+def chromium():
+    """Headless Debian chromium through chromedriver, offline, in a throwaway profile (skips, saying
+    why, when either or selenium is missing); also used by test_site_interactive.py."""
     for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
         if not Path(path).is_file():
             _skip(f"{path} not found (Debian package {package}: apt-get install chromium chromium-driver)")
@@ -148,9 +151,17 @@ def browser(server):
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     driver.set_page_load_timeout(PAGE_TIMEOUT)
     driver.set_script_timeout(PAGE_TIMEOUT)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    with chromium() as driver:
+        yield driver
 
 
 # Waits for MathJax 3 (the vendored copy from sphinx-mathjax-offline) to finish typesetting, then reports

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_site import CHROMEDRIVER, CHROMIUM, PAGES, WIDTHS, _set_width, _skip, site  # noqa: F401
+from test_site import PAGES, WIDTHS, _set_width, chromium, site  # noqa: F401
 
 from optbook import interactive
 
@@ -71,27 +71,8 @@ def figures_page():
 
 @pytest.fixture(scope="module")
 def chrome():
-    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
-        if not Path(path).is_file():
-            _skip(f"{path} not found (Debian package {package}: apt-get install chromium chromium-driver)")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        _skip("selenium is not installed (it is in requirements.txt)")
-    profile = tempfile.mkdtemp(prefix="optbook-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--no-proxy-server", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-                 f"--user-data-dir={profile}"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    with chromium() as driver:
+        yield driver
 
 
 STATE_JS = """
