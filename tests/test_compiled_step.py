@@ -184,6 +184,22 @@ def test_compiled_step_under_mixed_precision_steps_the_float32_masters():
         assert a.dtype == torch.float32
 
 
+def _step_both(eager, compiled, opt_eager, opt, step, lrs, new_grad):
+    """One step per ``lr`` of ``lrs`` on both sides with the same gradients (``new_grad(param)``), the eager
+    optimizer's ``step()`` and the compiled ``step``; from the second on under Dynamo's error_on_recompile,
+    and one graph in all."""
+    for k, lr in enumerate(lrs):
+        grads = [new_grad(p) for p in eager]
+        for ps, o in ((eager, opt_eager), (compiled, opt)):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            o.param_groups[0]["lr"] = lr
+        opt_eager.step()
+        with torch._dynamo.config.patch(error_on_recompile=k > 0):
+            step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.compile
 def test_compiled_adamw_compiles_once_and_equals_eager_for_three_steps_with_a_new_lr_each():
     # 3 steps, lr changed before each (as a scheduler does) and the step count growing: the graph of the
@@ -201,16 +217,8 @@ def test_compiled_adamw_compiles_once_and_equals_eager_for_three_steps_with_a_ne
     opt_eager = AdamW(eager, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     opt = AdamW(compiled, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     step = compiled_step(opt)
-    for k, lr in enumerate((1e-2, 5e-3, 2e-3)):
-        grads = [torch.randn(b.shape, generator=g).to(b.dtype) for b in base]
-        for ps, o in ((eager, opt_eager), (compiled, opt)):
-            for p, grad in zip(ps, grads):
-                p.grad = grad.clone()
-            o.param_groups[0]["lr"] = lr
-        opt_eager.step()
-        with torch._dynamo.config.patch(error_on_recompile=k > 0):
-            step()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _step_both(eager, compiled, opt_eager, opt, step, (1e-2, 5e-3, 2e-3),
+               lambda b: torch.randn(b.shape, generator=g).to(b.dtype))
     for a, b, b0 in zip(eager, compiled, base):
         assert float((a.float() - b0.float()).detach().abs().max()) > 1e-3    # it moved
         tol = 2 ** -7 if a.dtype == torch.bfloat16 else 1e-6
@@ -245,16 +253,8 @@ def _side_by_side(name, base, **compile_options):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()   # graphs counted by earlier tests
     step = compiled_step(opt, **compile_options)
-    for k, lr in enumerate(LRS):
-        grads = [torch.randn(b.shape, generator=g, dtype=b.dtype) for b in base]
-        for ps, o in ((eager, opt_eager), (compiled, opt)):
-            for p, grad in zip(ps, grads):
-                p.grad = grad.clone()
-            o.param_groups[0]["lr"] = lr
-        opt_eager.step()
-        with torch._dynamo.config.patch(error_on_recompile=k > 0):
-            step()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _step_both(eager, compiled, opt_eager, opt, step, LRS,
+               lambda b: torch.randn(b.shape, generator=g, dtype=b.dtype))
     torch._dynamo.reset()
     return eager, compiled, opt_eager, opt
 
