@@ -77,3 +77,20 @@ def test_attention_entropy_closed_forms():
     torch.testing.assert_close(attention_entropy(rows), expected, rtol=1e-14, atol=1e-300)
     with pytest.raises(TypeError, match="logits"):
         attention_entropy(torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_an_empty_batch_passes_through_and_records_nothing(attention):
+    """B = 0 (a rank without data this micro-batch) or T = 0: the output is empty of the right shape, the
+    recorded maxima stay as they were (None before any data), and a later batch records as usual."""
+    from optbook.models.transformer import CausalSelfAttention, MultiHeadLatentAttention
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(16, 4, 2) if attention == "mha" else MultiHeadLatentAttention(16, 4)
+    assert layer(torch.zeros(0, 5, 16)).shape == (0, 5, 16)
+    assert layer(torch.zeros(2, 0, 16)).shape == (2, 0, 16)
+    assert layer.max_logits is None
+    x = torch.randn(2, 5, 16)
+    layer(x)
+    before = layer.max_logits.clone()
+    assert layer(torch.zeros(0, 5, 16)).shape == (0, 5, 16)
+    assert torch.equal(layer.max_logits, before)

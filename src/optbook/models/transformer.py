@@ -52,8 +52,11 @@ def _running_max(recorded: torch.Tensor | None, logits: torch.Tensor) -> torch.T
 
     Kept in float32, or in the logits' dtype when that is wider (float64): a float64 model's maxima
     rounded to float32 could sit 6e-8 (relative) below the true logit, and a clip computed from them
-    would leave the logit that much above tau.
+    would leave the logit that much above tau. An empty batch (``B = 0`` or ``T = 0``) records nothing:
+    ``recorded`` is returned unchanged (``None`` before any non-empty batch).
     """
+    if logits.numel() == 0:
+        return recorded
     current = logits.detach().amax(dim=(0, 2, 3))
     current = current.to(torch.promote_types(current.dtype, torch.float32))
     return current if recorded is None else torch.maximum(recorded, current)
@@ -116,7 +119,7 @@ class CausalSelfAttention(nn.Module):
         if self.training:
             self.max_logits = _running_max(self.max_logits, logits)              # (H,)
         out = F.softmax(logits, dim=-1) @ v
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -187,7 +190,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.training:
             self.max_logits = _running_max(self.max_logits, logits)
         out = F.softmax(logits, dim=-1) @ v
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
 
 
 class Block(nn.Module):
