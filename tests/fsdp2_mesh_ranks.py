@@ -3,7 +3,8 @@ parameters of 1-D and 2-D device meshes (FSDP2, HSDP, TP under FSDP2, expert-par
 single-process optimizers on whole tensors.
 
 Every case builds the parameters twice: plain tensors (the reference) and the same values laid out as the
-parallel API lays them out (``fully_shard``, ``parallelize_module``, ``distribute_tensor``). Each step both get
+parallel API lays them out (``fully_shard``, ``parallelize_module``, ``distribute_tensor``). Each step both
+get
 the same gradients (drawn from a seeded generator, the sharded copy cut as its parameter is), so the two runs
 differ only in how the optimizer steps. Each rank compares its own elements (their global indices:
 :func:`optbook.distributed.mesh_exchange.local_element_indices`, itself checked against the layout the
@@ -178,15 +179,17 @@ def run_case(layout: str, dtype, world_size: int, kind: str = "muon", max_grad_n
                        for p, r in zip(params, reference))
     if max_grad_norm is not None:
         out["norm"] = (opt.last_grad_norm, ref_norm)
-        out["diff"] = max(float((p.detach().to_local().reshape(-1) - r.detach().reshape(-1)[local_element_indices(p)])
-                                .abs().amax()) for p, r in zip(params, reference) if p.to_local().numel())
+        out["diff"] = max(float((p.detach().to_local().reshape(-1)
+                                 - r.detach().reshape(-1)[local_element_indices(p)]).abs().amax())
+                          for p, r in zip(params, reference) if p.to_local().numel())
     if kind == "muon":
         out["owners"], out["units"], out["ns_calls"] = opt.owners, opt.units, opt.ns_calls
         if layout == "experts":   # what the stack alone moves in a step
             alone = [False] * (len(params) - 1) + [True]
             out["experts_bytes"] = opt.predicted_received_bytes(with_grad=alone)["all_to_all"]
             first = next(u for u, (i, _, _) in enumerate(opt.units) if i == len(params) - 1)
-            experts = (local_element_indices(params[-1].detach()) // 20).unique().tolist()   # 5 x 4 per expert
+            # the experts this rank holds (5 x 4 = 20 elements each)
+            experts = (local_element_indices(params[-1].detach()) // 20).unique().tolist()
             out["experts_here_owned_here"] = all(opt.owners[first + e] == torch.distributed.get_rank()
                                                  for e in experts)
     return out
@@ -196,9 +199,11 @@ def collectives_case(world_size: int, n_matrices: int) -> dict:
     """FSDP2Muon (with ``max_grad_norm``) on ``n_matrices`` HSDP matrices (shapes cycling through uneven and
     empty shards): the c10d calls of one step (after the first), the bytes :class:`CommCounter` counted on
     this rank and :meth:`FSDP2Muon.predicted_received_bytes`."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
     from optbook.distributed import FSDP2Muon
     from optbook.distributed.wire import CommCounter
-    from torch.distributed.fsdp import fully_shard
 
     shapes = [(7, 5), (3, 6), (1, 4), (6, 6)]
     model = _linears([shapes[k % 4] for k in range(n_matrices)], torch.float64, 4)
@@ -209,14 +214,13 @@ def collectives_case(world_size: int, n_matrices: int) -> dict:
     opt = FSDP2Muon(params, lr=0.02, ns_dtype=torch.float64, max_grad_norm=1.0, **MUON)
     for step in range(2):
         for i, p in enumerate(params):
-            from torch.distributed.tensor import distribute_tensor
-
-            p.grad = distribute_tensor(_grad(tuple(p.shape), p.dtype, step, i), mesh, p.placements, src_data_rank=None)
+            p.grad = distribute_tensor(_grad(tuple(p.shape), p.dtype, step, i), mesh, p.placements,
+                                       src_data_rank=None)
         counter = CommCounter()
         with counter:
             opt.step()
     return {"calls": len(counter.calls) + counter.other_calls, "names": [c[0] for c in counter.calls],
-            "received": {k: v for k, v in counter.received.items()}, "predicted": opt.predicted_received_bytes()}
+            "received": dict(counter.received), "predicted": opt.predicted_received_bytes()}
 
 
 def _dcp_model(mesh):

@@ -49,8 +49,9 @@ def test_fsdp2muon_mesh_is_bitwise_single_process_muon(reports, case):
 
 def test_fsdp2muon_mesh_tp_fsdp_weights_carry_fsdp2s_strided_shards(reports):
     for d, rank, row in _rows(reports, "muon/tp/float64", (4,)):
-        assert row["placements"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"   # colwise, then fully_shard
-        assert row["placements"][1] == "(Shard(dim=0), Shard(dim=1))"                # rowwise, then fully_shard
+        # colwise, then fully_shard; rowwise, then fully_shard
+        assert row["placements"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert row["placements"][1] == "(Shard(dim=0), Shard(dim=1))"
         assert row["layout"] and row["params"]
 
 
@@ -68,7 +69,8 @@ def test_elementwise_optimizers_on_mesh_params_are_bitwise_single_process(report
 def test_fsdp2muon_mesh_clip_counts_each_replicated_element_once(reports):
     for d, rank, row in _rows(reports, "clip/hsdp"):
         norm, ref_norm = row["norm"]
-        assert norm == pytest.approx(ref_norm, rel=1e-12, abs=0), (d, rank)   # a replica counted twice: x sqrt 2
+        # a replica counted twice would make it sqrt(2) times larger
+        assert norm == pytest.approx(ref_norm, rel=1e-12, abs=0), (d, rank)
         assert row["diff"] < 1e-12 and row["layout"], (d, rank)
 
 
@@ -102,5 +104,6 @@ def test_fsdp2muon_mesh_dcp_saved_on_4_ranks_resumes_on_hsdp_at_2_ranks(reports)
 
 def test_fsdp2muon_mesh_refuses_mixed_dtypes_and_partial_placements(reports):
     for d, rank, row in _rows(reports, "refusals", (2,)):
-        assert row["dtypes"].startswith("ValueError") and "float32" in row["dtypes"] and "parameter 1" in row["dtypes"]
-        assert row["partial"].startswith("TypeError") and "Partial" in row["partial"] and "parameter 1" in row["partial"]
+        dtypes, partial = row["dtypes"], row["partial"]
+        assert dtypes.startswith("ValueError") and "float32" in dtypes and "parameter 1" in dtypes
+        assert partial.startswith("TypeError") and "Partial" in partial and "parameter 1" in partial
