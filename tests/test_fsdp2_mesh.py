@@ -102,6 +102,20 @@ def test_fsdp2muon_mesh_dcp_saved_on_4_ranks_resumes_on_hsdp_at_2_ranks(reports)
             assert row["placements"] == ("(Replicate(), Shard(dim=0))" if d == 2 else "(Shard(dim=0),)")
 
 
+def test_mesh_owners_are_lpt_unless_a_rank_holds_the_matrix_whole():
+    """Without whole holders the owners are lpt_assign's; a matrix held whole goes to its least loaded
+    holder, the others fill around it by LPT."""
+    from optbook.distributed import lpt_assign
+    from optbook.distributed.mesh_exchange import local_first_lpt
+
+    costs = [7, 3, 9, 9, 1, 4, 4, 2]
+    for d in (1, 2, 3, 4):
+        assert local_first_lpt(costs, [[]] * len(costs), d) == lpt_assign(costs, d)
+    holders = [[], [], [], [], [], [], [], []]
+    holders[2] = [1, 3]   # the first 9 is held whole by ranks 1 and 3: it goes to rank 1 (both at 0)
+    assert local_first_lpt(costs, holders, 4) == [2, 2, 1, 0, 0, 3, 3, 3]   # lpt_assign: [2, 2, 0, 1, ...]
+
+
 def test_fsdp2muon_mesh_refuses_mixed_dtypes_and_partial_placements(reports):
     for d, rank, row in _rows(reports, "refusals", (2,)):
         dtypes, partial = row["dtypes"], row["partial"]

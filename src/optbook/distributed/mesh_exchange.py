@@ -256,6 +256,16 @@ class MeshExchange:
         return elements * element_size
 
     # --- a step ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _index(plan: dict, key: str, device: torch.device) -> torch.Tensor:
+        """``plan[key]`` (an index list made on the CPU) on ``device``, copied there once."""
+        if device.type == "cpu":
+            return plan[key]
+        cached = plan.setdefault("_on", {})
+        if (key, device) not in cached:
+            cached[key, device] = plan[key].to(device)
+        return cached[key, device]
+
     def _all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
         if self.world_size == 1:
             return send
@@ -268,21 +278,24 @@ class MeshExchange:
 
         Args:
             local_tensors: per parameter, this rank's local tensor (its elements in the parameter's local
-                shape; any memory format), or ``None`` where ``present`` is ``False``. One dtype.
+                shape; any memory format), or ``None`` where ``present`` is ``False``. One dtype, one
+                device (the index lists are copied to it once); at least one present.
             present: which parameters take part (the same on every rank).
         """
         plan = self.plan(present)
         flats = [t.reshape(-1) for t, here in zip(local_tensors, present) if here]
-        flat = torch.cat(flats) if flats else torch.zeros(0)
-        recv = self._all_to_all(flat[plan["fwd_send"]], plan["fwd_send_splits"], plan["fwd_recv_splits"])
+        flat = torch.cat(flats)
+        send = flat[self._index(plan, "fwd_send", flat.device)]
+        recv = self._all_to_all(send, plan["fwd_send_splits"], plan["fwd_recv_splits"])
         owned = recv.new_empty(plan["owned_numel"])
-        owned[plan["fwd_recv"]] = recv
+        owned[self._index(plan, "fwd_recv", owned.device)] = recv
         return {u: owned[plan["owned_off"][u]:plan["owned_off"][u] + self.unit_numel[self.units[u][0]]]
                 .view(self.units[u][2]) for u in plan["owned"]}
 
     def from_owners(self, updates: dict, present: tuple, like: torch.Tensor) -> list:
-        """One all-to-all: per parameter, this rank's elements of the owners' updates (a tensor of the local
-        shape, ``like``'s dtype), ``None`` where ``present`` is ``False``.
+        """One all-to-all: per parameter, this rank's elements of the owners' updates (1-D, in the local
+        tensor's row-major order: ``.view(local shape)``; ``like``'s dtype and device), ``None`` where
+        ``present`` is ``False``.
 
         Args:
             updates: ``{unit: (M, N) update}`` for every unit this rank owns (any strides).
@@ -292,8 +305,9 @@ class MeshExchange:
         for u in plan["owned"]:
             off = plan["owned_off"][u]
             owned[off:off + self.unit_numel[self.units[u][0]]].view(self.units[u][2]).copy_(updates[u])
-        recv = self._all_to_all(owned[plan["back_send"]], plan["back_send_splits"], plan["back_recv_splits"])
+        send = owned[self._index(plan, "back_send", owned.device)]
+        recv = self._all_to_all(send, plan["back_send_splits"], plan["back_recv_splits"])
         flat = like.new_empty(plan["local_numel"])
-        flat[plan["back_recv"]] = recv
+        flat[self._index(plan, "back_recv", flat.device)] = recv
         return [flat[plan["local_off"][i]:plan["local_off"][i] + n] if here else None
                 for i, (n, here) in enumerate(zip(self.local_numels, present))]
