@@ -12,13 +12,13 @@ predicted), the clip norm counting each replicated element once, DCP across mesh
 from __future__ import annotations
 
 import pytest
-from fsdp2_mesh_ranks import STEPS, suite
+from fsdp2_mesh_ranks import DENSE, STEPS, suite, two_d
 
 from optbook.distributed import launch
 from helpers import scaled_timeout
 
 WORLD_SIZES = (4, 2, 3, 1)   # 4 first: it writes the checkpoint the 2-rank launch loads
-MUON_CASES = [f"muon/{layout}/{dtype}" for layout in ("1d", "hsdp", "tp", "experts")
+MUON_CASES = [f"muon/{layout}/{dtype}" for layout in ("1d", "hsdp", "tp", "experts", "submesh")
               for dtype in ("float64", "float32")]
 
 
@@ -56,8 +56,25 @@ def test_fsdp2muon_mesh_tp_fsdp_weights_carry_fsdp2s_strided_shards(reports):
 
 
 def test_fsdp2muon_mesh_expert_local_weights_stay_on_their_rank(reports):
+    """On a 1-D ``ep`` mesh a rank holds whole experts and owns them: the stack moves no byte."""
     for d, rank, row in _rows(reports, "muon/experts/float64"):
         assert row["experts_here_owned_here"] and row["experts_bytes"] == 0, (d, rank)
+
+
+def test_fsdp2muon_mesh_experts_replicated_over_dp_return_only_to_the_replicas(reports):
+    """On the ``ep`` sub-mesh of a ``("dp", "ep")`` mesh each expert has a replica per ``dp`` rank: it is
+    owned by one of its holders (nothing is sent to the owner), and a rank receives only the updates of the
+    experts it holds but does not own (float64: 5 x 4 x 8 bytes each)."""
+    for d in WORLD_SIZES:
+        replicas = 0
+        for _, rank, row in _rows(reports, "muon/submesh/float64", (d,)):
+            first = next(u for u, (i, _, _) in enumerate(row["units"]) if i == len(DENSE))
+            not_owned = [e for e in row["experts_held"] if row["owners"][first + e] != rank]
+            for e in range(6):   # owned by a rank that holds it
+                assert e in reports[d][row["owners"][first + e]]["muon/submesh/float64"]["experts_held"]
+            assert row["experts_bytes"] == len(not_owned) * 20 * 8, (d, rank, not_owned)
+            replicas += len(not_owned)
+        assert replicas == 6 * (two_d(d)[0] - 1)   # every replica but the owner's receives the update
 
 
 @pytest.mark.parametrize("case", ["adamw/hsdp", "adamw/tp", "sgd/hsdp", "sgd/tp"])
