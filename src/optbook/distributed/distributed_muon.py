@@ -448,10 +448,12 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
         Returns:
             ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in param-group
             order, "pieces": [(index, param_start, param_end)] of this rank, "momentum": [(index, param_start,
-            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps"}``.
+            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps",
+            "layout": :meth:`checkpoint_layout`}``.
         """
         plain = common.plain_state_dict(self)
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "layout": self.checkpoint_layout(),
                 "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],
                 "momentum": self._local_checkpoint(), "param_groups": plain["param_groups"],
@@ -465,9 +467,9 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
                 the list of **every** rank's dicts of one save at any world size (resharding).
 
         Raises:
-            TypeError, ValueError: not dicts of this format; a file of another rank, world size or layout (the
-                message says to pass the list); files saved for other parameter shapes or dtypes (naming the
-                first); what :meth:`load_state_dict` raises. All before anything is loaded.
+            TypeError, ValueError: not dicts of this format; a file of another class, rank, world size or
+                layout (naming both layouts; the message says to pass the list); files of two saves; files
+                for other parameter shapes or dtypes; what :meth:`load_state_dict` raises. Before any load.
         """
         parts = common.shard_parts(shards, self, SHARDED_FORMAT, "pieces",
                             [(p.index, p.param_start, p.param_end) for p in self.pieces])

@@ -528,10 +528,11 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
             ``{"format": SHARDED_FORMAT, "rank", "world_size", "owners", "params": [(shape, dtype name)] in
             param-group order, "state": {index: {"momentum_buffer": CPU tensor}} for the matrices this rank
             owns, "master_params": {index: float32 CPU master} of the bfloat16 ones it owns, "param_groups":
-            as :meth:`state_dict`, "skipped_steps"}``.
+            as :meth:`state_dict`, "skipped_steps", "layout": :meth:`checkpoint_layout`}``.
         """
         state, masters = self._local_checkpoint()
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "layout": self.checkpoint_layout(),
                 "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "state": state, "master_params": masters, "param_groups": plain_state_dict(self)["param_groups"],
                 "skipped_steps": self.skipped_steps}
@@ -560,13 +561,15 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
         """Load :meth:`sharded_state_dict` files. Not a collective.
 
         Args:
-            shards: **this rank's own** dict (saved by the same rank at the same world size and assignment),
-                or the list of **every** rank's dicts of one save at any world size (resharding).
+            shards: **this rank's own** dict (saved by the same rank with the same layout,
+                :meth:`checkpoint_layout`), or the list of **every** rank's dicts of one save at any world
+                size and assignment (resharding).
 
         Raises:
-            TypeError, ValueError: not dicts of this format; a file of another rank, world size or
-                assignment (the message says to pass the list); files saved for other parameter shapes or
-                dtypes (naming the first); what :meth:`load_state_dict` raises. All before anything is loaded.
+            TypeError, ValueError: not dicts of this format; a file of another class, rank, world size or
+                assignment (the message names both layouts and says to pass the list); files of two saves;
+                files saved for other parameter shapes or dtypes (naming the first); a file holding matrices
+                its rank does not own; what :meth:`load_state_dict` raises. All before anything is loaded.
         """
         self.load_state_dict(self._plain_from_shards(shards))
 
