@@ -132,3 +132,12 @@ def test_lpt_on_ns_cost_is_within_grahams_bound_where_element_count_ping_pong_is
     bound = 4 / 3 - 1 / (3 * d)
     assert lpt <= bound * best
     assert ping > bound * best and ping > 1.8 * lpt
+
+
+@pytest.mark.parametrize("dtypes, calls", [((torch.float32,), 3), ((torch.bfloat16, torch.float32), 3),
+                                           ((torch.float64,), 3), ((torch.bfloat16, torch.float64), 4)])
+def test_owner_step_comm_collectives_per_step_by_dtype_mix(dtypes, calls):
+    """One reduce dtype (float32 for bfloat16 and float32 gradients): 3 calls; two: 4; for any count."""
+    for n in (2, 10, 200):
+        comm = owner_step_comm([6] * n, [dtypes[i % len(dtypes)] for i in range(n)], [i % 4 for i in range(n)], 4)
+        assert len(comm["calls"]) == calls and comm["calls"][-1] == ("all_gather", torch.uint8)

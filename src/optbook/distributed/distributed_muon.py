@@ -31,6 +31,7 @@ from ..optim.optimizer import all_finite
 from . import _muon_common as common
 from ._comm import LOW_PRECISION, all_gather, first_nonfinite, group_info, raise_nonfinite_across, reduce_scatter
 from ._comm import validate_on_every_rank
+from .wire import all_reduce_received
 from .zero1 import shard_layout
 
 __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "zero1_comm_bytes"]
@@ -223,8 +224,6 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
             ``{"calls": [(collective, dtype)], "received": {collective: bytes}}`` (an all-reduce's share
             may be a :class:`fractions.Fraction`).
         """
-        from .wire import all_reduce_received
-
         buckets = [b for b in self.layout.buckets if b.numel]
         touched = self.gather == "touched"
         gathers = [] if touched and self.world_size == 1 else [
