@@ -379,6 +379,12 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
     if not parts or any(not isinstance(sd, dict) or sd.get("format") != fmt for sd in parts):
         raise TypeError(f"Invalid shards: expected this rank's dict from {who}.sharded_state_dict() (format "
                         f"{fmt!r}) or a list of every rank's")
+    for k, sd in enumerate(parts):
+        difference = params_difference([mine["params"], [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+        if difference is not None:
+            where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
+            raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
+                             f"model?): {where}")
     saved = parts[0].get("layout") if own else check_one_save(parts, who)
     if saved is not None:
         check_layout(saved, mine, who, own_file=own, where="the file" if own else "the files")
@@ -389,13 +395,6 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
         for sd in parts:
             _agrees_with_layout(sd, saved, layout_key)
         return parts
-    mine_params = mine["params"]
-    for k, sd in enumerate(parts):
-        difference = params_difference([mine_params, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
-        if difference is not None:
-            where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
-            raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
-                             f"model?): {where}")
     if own:
         if (shards["world_size"], shards["rank"], shards[layout_key]) != (opt.world_size, opt.rank, layout):
             raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
