@@ -4,7 +4,8 @@ Explained in chapter 13.
 Consolidated (:meth:`~optbook.distributed.DistributedOptimizer.consolidate_state_dict`, then ``state_dict()``
 on one rank): loadable at any world size and into a single-process optimizer. Sharded
 (:meth:`~optbook.distributed.DistributedOptimizer.sharded_state_dict`, one file per rank, no communication):
-each rank's pieces of m, v and the masters, with the piece boundaries as layout metadata;
+each rank's pieces of m, v and the masters, with the piece boundaries as layout metadata and the layout
+fingerprint every sharded checkpoint of :mod:`optbook.distributed` records (``"layout"``);
 :meth:`~optbook.distributed.DistributedOptimizer.load_sharded_state_dict` takes the rank's own file (same world
 size) or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 Every load validates the whole dict before it writes anything.
@@ -436,8 +437,8 @@ class Zero1Checkpoints:
         """``(the consolidated dict to load, whether every rank's file was given, the first file)`` after every
         check on the files; writes nothing."""
         mine = self.checkpoint_layout()
-        for k, sd in enumerate([shards] if isinstance(shards, dict) else shards if isinstance(shards, (list, tuple))
-                               else []):   # another class's file that records its layout: name both
+        files = [shards] if isinstance(shards, dict) else shards if isinstance(shards, (list, tuple)) else []
+        for k, sd in enumerate(files):   # another class's file that records its layout: name both layouts
             if isinstance(sd, dict) and sd.get("format") != SHARDED_FORMAT and isinstance(sd.get("layout"), dict):
                 check_layout(sd["layout"], mine, "DistributedOptimizer", own_file=False, where=f"file {k}")
         if isinstance(shards, dict):
