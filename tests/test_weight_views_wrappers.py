@@ -119,8 +119,9 @@ def test_bfloat16_models_views_step_float32_copies_bitwise_as_float32_muon(wrapp
         opt = MixedPrecisionOptimizer(ChainedOptimizer([_muon(params, view, f32),
                                                         AdamW([torch.zeros(3, requires_grad=True)])]))
     else:
-        opt = OffloadOptimizer([{"params": params[:1], **view_options(view)}, {"params": params[1:], "lr": 0.03}],
-                               Muon, offload_fraction=1.0 if wrapper == "offload" else 0.0, ns_dtype=f32, **HP)
+        opt = OffloadOptimizer([{"params": params[:1], **view_options(view)},
+                                {"params": params[1:], "lr": 0.03}], Muon,
+                               offload_fraction=1.0 if wrapper == "offload" else 0.0, ns_dtype=f32, **HP)
     for k in range(STEPS):
         _set_grads(params, view, k, low=True)
         for p, r in zip(params, ref_params):
@@ -229,7 +230,7 @@ def test_dcp_get_and_set_optimizer_state_dict_resume_views_bitwise(dcp, wrapper,
         assert torch.equal(b, r.detach().to(b.dtype)), (wrapper, view)
 
 
-# ---------------------------------------------------------------- on gloo: FSDP2Muon and the distributed Muons
+# ------------------------------------------------------------ on gloo: FSDP2Muon and the distributed Muons
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
@@ -247,7 +248,7 @@ def _rows(reports, case, sizes=(4, 2)):
 
 
 @pytest.mark.parametrize("case", FSDP2_CASES)
-def test_fsdp2muon_steps_kernels_and_stacks_bitwise_as_muon(reports, case):
+def test_fsdp2muon_mesh_steps_kernels_and_stacks_bitwise_as_muon(reports, case):
     for d, rank, row in _rows(reports, case):
         assert row["layout"], (case, d, rank)       # each rank's elements are the reference's before a step
         assert row["params"], (case, d, rank)       # ... and after every step
@@ -288,9 +289,10 @@ def test_fsdp2muon_mesh_dcp_of_views_resumes_across_mesh_shapes_and_world_sizes(
 
 def test_fsdp2muon_follows_an_edited_head_split_and_refuses_an_edited_matrix_view(reports):
     """Muon reads a group's ``head_split`` and ``matrix_view`` at every step. FSDP2Muon follows an edited
-    ``head_split`` bitwise; its owners and all-to-all plan cut each tensor into the matrices of its view at
-    construction, so an edited ``matrix_view`` is refused at the step, naming the argument and the parameter,
-    with nothing written. (It stepped the old view's matrices: a silently different result.)"""
+    ``head_split`` bitwise (and ``"flatten"`` set on a 2-D weight's group: the same matrix); its owners
+    and all-to-all plan cut each tensor into the matrices of its view at construction, so an edited
+    ``matrix_view`` is refused at the step, naming the argument and the parameter, with nothing written.
+    (It stepped the old view's matrices: a silently different result.)"""
     for d, rank, row in _rows(reports, "edit"):
         assert row["head_split"], (d, rank)
         message, untouched = row["matrix_view"]
@@ -320,7 +322,8 @@ def test_distributed_muons_refuse_the_views_naming_matrix_view(reports, who, vie
 def test_zero1_refuses_muon_as_its_optimizer_class(reports):
     for _, _, row in _rows(reports, "refusals", (2,)):
         message = row["DistributedOptimizer"]
-        assert message.startswith("ValueError: Invalid optimizer_class:") and "element-wise" in message, message
+        assert message.startswith("ValueError: Invalid optimizer_class:"), message
+        assert "element-wise" in message, message
 
 
 def test_mixed_precision_refuses_fsdp2muon(reports):

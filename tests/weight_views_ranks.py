@@ -22,7 +22,7 @@ from torch import nn
 
 from optbook.optim import Muon
 
-#: The weights the views meet: a conv kernel (also channels_last) and stacks of matrices (also cut into heads).
+#: The weights the views meet: a conv kernel (also channels_last), stacks of matrices (also cut into heads).
 VIEWS = ["conv", "conv-channels_last", "stack", "stack-head_split"]
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
 STEPS = 3
@@ -44,7 +44,8 @@ def view_options(view: str) -> dict:
 
 
 def _format(view: str, shape) -> torch.memory_format:
-    return torch.channels_last if view.endswith("channels_last") and len(shape) == 4 else torch.contiguous_format
+    last = view.endswith("channels_last") and len(shape) == 4
+    return torch.channels_last if last else torch.contiguous_format
 
 
 def weights_of(view: str, dtype, shape=None) -> torch.Tensor:
@@ -287,11 +288,11 @@ def dcp_case(world_size: int, ckpt_dir: str, phase: str, mesh_shape, split: int 
 
 
 def edit_case(world_size: int) -> dict:
-    """Group options edited between steps, as ``optbook.optim.Muon`` allows: ``head_split`` set on the
-    ``(3, 4, 6)`` stack's group after one step (both optimizers follow it: ``"head_split"``, bitwise), then
-    its ``matrix_view`` changed from ``"stacked"`` to ``"flatten"`` (Muon steps one ``(3, 24)`` matrix):
-    ``"matrix_view"`` is ``(message, nothing written)`` when FSDP2Muon refuses, ``("stepped", bitwise)``
-    when it steps."""
+    """Group options edited between steps, as ``optbook.optim.Muon`` allows. After one step: ``head_split``
+    set on the ``(3, 4, 6)`` stack's group and ``"flatten"`` on the Linear's (one and the same matrix): both
+    optimizers follow (``"head_split"``: bitwise after every step). Then the stack's ``matrix_view`` changed
+    from ``"stacked"`` to ``"flatten"`` (Muon steps one ``(3, 24)`` matrix): ``"matrix_view"`` is
+    ``(message, nothing written)`` when FSDP2Muon refuses, ``("stepped", bitwise)`` when it steps."""
     from optbook.distributed import FSDP2Muon
 
     dtype = torch.float64
@@ -301,9 +302,10 @@ def edit_case(world_size: int) -> dict:
     opt = FSDP2Muon(groups_of(params, views), ns_dtype=dtype, **HP)
     ok = True
     for step in range(STEPS):
-        if step == 1:
+        if step == 1:   # (and "flatten" on the Linear's group: the same matrix, accepted)
             for o in (ref_opt, opt):
                 o.param_groups[1]["head_split"] = 2
+                o.param_groups[0]["matrix_view"] = "flatten"
         _set_grads(reference, params, views, step)
         ref_opt.step()
         opt.step()
@@ -317,11 +319,13 @@ def edit_case(world_size: int) -> dict:
     momenta = [opt.state[p]["momentum_buffer"].to_local().clone() for p in params]
     try:
         opt.step()
-        out["matrix_view"] = ("stepped", all(_mine(p.detach(), r.detach()) for p, r in zip(params, reference)))
+        out["matrix_view"] = ("stepped", all(_mine(p.detach(), r.detach())
+                                             for p, r in zip(params, reference)))
     except ValueError as e:
-        out["matrix_view"] = (str(e), all(torch.equal(p.detach().to_local(), b) for p, b in zip(params, before))
-                              and all(torch.equal(opt.state[p]["momentum_buffer"].to_local(), m)
-                                      for p, m in zip(params, momenta)))
+        untouched = (all(torch.equal(p.detach().to_local(), b) for p, b in zip(params, before))
+                     and all(torch.equal(opt.state[p]["momentum_buffer"].to_local(), m)
+                             for p, m in zip(params, momenta)))
+        out["matrix_view"] = (str(e), untouched)
     return out
 
 
@@ -355,7 +359,8 @@ def refusals_case(world_size: int) -> dict:
     out["DistributedOptimizer"] = _message(lambda: DistributedOptimizer(
         [{"params": [nn.Parameter(weights_of("conv", torch.float32))], "matrix_view": "flatten"}], Muon))
     mesh = _mesh((world_size,), ("shard",))
-    kernel = nn.Parameter(distribute_tensor(weights_of("conv", torch.float32), mesh, [Shard(0)], src_data_rank=None))
+    kernel = nn.Parameter(distribute_tensor(weights_of("conv", torch.float32), mesh, [Shard(0)],
+                                            src_data_rank=None))
     out["MixedPrecisionOptimizer"] = _message(lambda: MixedPrecisionOptimizer(
         FSDP2Muon([{"params": [kernel], "matrix_view": "flatten"}], lr=0.02)))
     conv = nn.Conv2d(4, 8, 3, bias=False).to(memory_format=torch.channels_last)

@@ -165,9 +165,10 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     def _check_shapes(self, group: dict, params: list) -> None:
         """:class:`optbook.optim.Muon`'s check of the shapes under the group's ``matrix_view`` (every view
         is stepped here: the exchange moves whole matrices, whichever tensor holds them), and, once the plan
-        is made, that the view is still the one it was made for (a ``ValueError`` naming ``matrix_view`` and
-        the parameter: the owners and the all-to-alls cut each tensor into the matrices of its view at
-        construction, so a view edited into a group later would be stepped under the old one).
+        is made, that the view still cuts each tensor into the matrices it was planned for (a ``ValueError``
+        naming ``matrix_view`` and the parameter: the owners and the all-to-alls cut each tensor into the
+        matrices of its view at construction, so a view edited into a group later would be stepped under the
+        old one; ``"matrix"`` and ``"flatten"`` cut a 2-D tensor alike).
         ``head_split`` may be edited: it is read at every step, as :class:`optbook.optim.Muon` reads it."""
         view = matrix_view_of(group)
         check_matrix_view(params, view, "FSDP2Muon", MUON_ROUTE)
@@ -179,11 +180,19 @@ class FSDP2Muon(common.MuonWrapper, Muon):
             index = {id(q): i for i, q in enumerate(self._params)}
             for p in params:
                 i = index.get(id(p))
-                if i is not None and planned[i] != view:
-                    raise ValueError(f"Invalid matrix_view: {param_name(self.param_groups, i)} was planned "
-                                     f"as matrix_view={planned[i]!r} at construction and its group now says "
-                                     f"{view!r}; FSDP2Muon makes its owners and all-to-all plan once, so build "
-                                     "a new FSDP2Muon with the new view (and load this one's state_dict into it)")
+                # a 2-D tensor is one and the same matrix under "matrix" and "flatten"
+                if i is not None and self._cut(p, planned[i]) != self._cut(p, view):
+                    raise ValueError(f"Invalid matrix_view: {param_name(self.param_groups, i)} was "
+                                     f"planned as matrix_view={planned[i]!r} at construction and its group "
+                                     f"now says {view!r}; FSDP2Muon makes its owners and all-to-all plan "
+                                     "once, so build a new FSDP2Muon with the new view (and load this one's "
+                                     "state_dict into it)")
+
+    @staticmethod
+    def _cut(p, view: str) -> tuple:
+        """The matrices ``view`` cuts ``p`` into: ``((M, N), how many)``."""
+        rows, cols = matrix_shape(tuple(p.shape), view)
+        return (rows, cols), p.numel() // max(rows * cols, 1)
 
     def _repr_options(self) -> str:
         return f"mesh rank {self.rank} of {self.world_size}, max_grad_norm={self.max_grad_norm}"
