@@ -300,6 +300,10 @@ def test_fsdp2muon_follows_an_edited_head_split_and_refuses_an_edited_matrix_vie
                                   "(3, 4, 6)) was planned as matrix_view='stacked'"), (d, rank, message)
         assert "now says 'flatten'" in message and "build a new FSDP2Muon" in message, message
         assert untouched, (d, rank)
+        message, view = row["load"]   # a state dict of another view: refused at the load, nothing loaded
+        assert message.startswith("ValueError: Invalid state_dict: param_groups[1]: Invalid matrix_view"), \
+            message
+        assert view == "stacked", (d, rank)
 
 
 def test_fsdp2_refuses_a_channels_last_kernel_itself(reports):

@@ -292,7 +292,9 @@ def edit_case(world_size: int) -> dict:
     set on the ``(3, 4, 6)`` stack's group and ``"flatten"`` on the Linear's (one and the same matrix): both
     optimizers follow (``"head_split"``: bitwise after every step). Then the stack's ``matrix_view`` changed
     from ``"stacked"`` to ``"flatten"`` (Muon steps one ``(3, 24)`` matrix): ``"matrix_view"`` is
-    ``(message, nothing written)`` when FSDP2Muon refuses, ``("stepped", bitwise)`` when it steps."""
+    ``(message, nothing written)`` when FSDP2Muon refuses, ``("stepped", bitwise)`` when it steps. Before
+    that, ``"load"``: the message of loading a state dict whose group says ``"flatten"``, and the group's
+    view after it."""
     from optbook.distributed import FSDP2Muon
 
     dtype = torch.float64
@@ -311,6 +313,9 @@ def edit_case(world_size: int) -> dict:
         opt.step()
         ok &= all(_mine(p.detach(), r.detach()) for p, r in zip(params, reference))
     out = {"head_split": ok}
+    saved = copy.deepcopy(opt.state_dict())   # a state dict whose group says another view
+    saved["param_groups"][1].update(matrix_view="flatten", head_split=None)
+    out["load"] = _message(lambda: opt.load_state_dict(saved)), opt.param_groups[1]["matrix_view"]
     for o in (ref_opt, opt):
         o.param_groups[1].update(matrix_view="flatten", head_split=None)
     _set_grads(reference, params, views, STEPS)

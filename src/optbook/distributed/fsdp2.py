@@ -110,9 +110,10 @@ class FSDP2Muon(common.MuonWrapper, Muon):
         ValueError: ``max_grad_norm`` not a number ``> 0``; a bfloat16 or float16 parameter, or parameters
             of different dtypes (named); ranks passing different parameters, or a parameter whose mesh
             lies outside the exchange group (named). Raised at construction, before any state exists.
-        ValueError: :meth:`step`, a group's ``matrix_view`` edited after construction (or loaded from a
-            state dict of another view), naming the parameter: the plan is made once (every rank raises,
-            nothing written; ``head_split`` may be edited).
+        ValueError: :meth:`step`, a group's ``matrix_view`` edited after construction so that it cuts a
+            tensor into other matrices, naming the parameter: the plan is made once (every rank raises,
+            nothing written; ``head_split`` may be edited); :meth:`load_state_dict`, a state dict whose
+            group says such a view (nothing loaded).
         optbook.contract.NonFiniteGradientError: :meth:`step`, a gradient shard holds ``inf`` or ``NaN`` on
             any rank (every rank raises, naming the parameter; nothing written).
     """
