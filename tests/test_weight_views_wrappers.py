@@ -1,5 +1,6 @@
 """Conv kernels (``matrix_view="flatten"``, also ``channels_last``) and stacks (``matrix_view="stacked"``,
-also with ``head_split``) inside every wrapper a Muon can meet, against one single-process reference:
+also with ``head_split``, also ``(L, E, M, N)``) inside every wrapper a Muon can meet, against one
+single-process reference:
 :class:`optbook.optim.Muon` with the same ``matrix_view`` on the mean gradient.
 
 Each wrapper either gives bitwise the reference's weights (float32 and float64; under mixed precision the
@@ -260,7 +261,7 @@ def test_fsdp2muon_mesh_steps_kernels_and_stacks_bitwise_as_muon(reports, case):
 #: The matrices FSDP2Muon steps (its ``units``): a Linear ``(8, 6)``; one per conv kernel, ``(out,
 #: in*kh*kw)``; ``E`` per stack, ``(M, N)`` each.
 _CONVS = [[8, 36], [3, 72], [5, 3]]
-_STACKS = [[4, 6]] * 3 + [[8, 4]] * 3
+_STACKS = [[4, 6]] * 3 + [[8, 4]] * 3 + [[4, 6]] * 4
 UNITS = {**{f"conv/{lay}": [[8, 6]] + _CONVS for lay in ("1d", "hsdp", "2d", "cl")}, "conv/backward": _CONVS,
          **{f"stack/{lay}": [[8, 6]] + _STACKS for lay in ("1d", "hsdp", "rows", "2d")}}
 
@@ -271,7 +272,7 @@ def test_fsdp2muon_mesh_views_placements_are_the_parallel_apis(reports):
     rows = {case: next(_rows(reports, case, (4,)))[2] for case in FSDP2_CASES}
     assert set(rows["conv/hsdp/float64"]["placements"][:2]) == {"(Replicate(), Shard(dim=0))"}
     assert rows["stack/2d/float64"]["placements"][-1] == "(Shard(dim=0), Shard(dim=1))"
-    assert rows["stack/rows/float64"]["placements"][-1] == "(Shard(dim=1),)"
+    assert rows["stack/rows/float64"]["placements"][-3:] == ["(Shard(dim=1),)"] * 2 + ["(Shard(dim=2),)"]
 
 
 def test_fsdp2muon_state_dict_of_views_resumes_bitwise(reports):

@@ -23,19 +23,19 @@ from torch import nn
 from optbook.optim import Muon
 
 #: The weights the views meet: a conv kernel (also channels_last), stacks of matrices (also cut into heads).
-VIEWS = ["conv", "conv-channels_last", "stack", "stack-head_split"]
+VIEWS = ["conv", "conv-channels_last", "stack", "stack-head_split", "stack-4d"]
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
 STEPS = 3
 
 _SHAPES = {"conv": (8, 4, 3, 3), "conv-channels_last": (8, 4, 3, 3), "stack": (3, 4, 6),
-           "stack-head_split": (3, 8, 4)}
+           "stack-head_split": (3, 8, 4), "stack-4d": (2, 2, 4, 6)}
 
 
 def view_options(view: str) -> dict:
     """The param-group options of a kind of weight (``"matrix"``: a plain matrix, no options)."""
     if view.startswith("conv"):
         return {"matrix_view": "flatten", "lr": 0.04}
-    if view == "stack":
+    if view in ("stack", "stack-4d"):
         return {"matrix_view": "stacked", "lr": 0.01}
     if view == "stack-head_split":
         return {"matrix_view": "stacked", "head_split": 2, "lr": 0.02}
@@ -92,13 +92,14 @@ def two_d(world_size: int) -> tuple[int, int]:
 
 
 class Stacks(nn.Module):
-    """Two stacks of matrices: ``(3, 4, 6)`` (3 experts: an empty shard at 4 ranks) and ``(3, 8, 4)``
-    (stepped with ``head_split=2``)."""
+    """Three stacks of matrices: ``(3, 4, 6)`` (3 experts: an empty shard at 4 ranks), ``(3, 8, 4)``
+    (stepped with ``head_split=2``) and ``(2, 2, 4, 6)`` (layers of experts: 4 matrices)."""
 
     def __init__(self, dtype):
         super().__init__()
         self.a = nn.Parameter(weights_of("stack", dtype))
         self.b = nn.Parameter(weights_of("stack-head_split", dtype) + 1)
+        self.c = nn.Parameter(weights_of("stack-4d", dtype) - 1)
 
 
 def _convs(dtype):
@@ -119,12 +120,12 @@ def model_of(kind: str, dtype) -> tuple[nn.Module, list[str]]:
         views += ["conv"] * 3
     if kind in ("stack", "all"):
         parts.append(Stacks(dtype))
-        views += ["stack", "stack-head_split"]
+        views += ["stack", "stack-head_split", "stack-4d"]
     return nn.Sequential(*parts), views
 
 
 #: ``(kind, layout)``: ``1d`` fully_shard on one mesh dimension; ``hsdp`` fully_shard on ``("replicate",
-#: "shard")``; ``rows`` fully_shard with ``Shard(1)`` for stacks (each expert's rows cut); ``2d``
+#: "shard")``; ``rows`` fully_shard with ``Shard(ndim - 2)`` for stacks (each expert's rows cut); ``2d``
 #: ``distribute_tensor`` with ``(Shard(0), Shard(1))`` on ``("dp", "tp")``; ``cl`` channels_last kernels
 #: laid out by ``distribute_tensor`` (``fully_shard`` refuses them); ``backward`` a real forward and
 #: backward pass through a conv net ``fully_shard``-ed on HSDP with channels_last inputs.
@@ -146,7 +147,7 @@ def build(kind: str, layout: str, dtype, world_size: int):
     if layout in ("1d", "hsdp", "rows", "backward"):
         mesh = (_mesh((world_size,), ("shard",)) if layout in ("1d", "rows")
                 else _mesh(two_d(world_size), ("replicate", "shard")))
-        placement = (lambda p: Shard(1) if p.ndim == 3 else None) if layout == "rows" else None
+        placement = (lambda p: Shard(p.ndim - 2) if p.ndim >= 3 else None) if layout == "rows" else None
         for layer in model:
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
         fully_shard(model, mesh=mesh, shard_placement_fn=placement)
