@@ -118,6 +118,7 @@ class OffloadOptimizer(MastersWrapper):
         moved = 0
         self.offloaded: list[bool] = []
         self._staging: dict = {}   # offloaded low-precision parameter -> (grad staging, param staging)
+        self._copies = {}   # (none at all when nothing is offloaded and no parameter is float16/bfloat16)
         with torch.no_grad():
             for p in params:
                 off = moved < threshold

@@ -110,6 +110,10 @@ class FSDP2Muon(common.MuonWrapper, Muon):
         ValueError: ``max_grad_norm`` not a number ``> 0``; a bfloat16 or float16 parameter, or parameters
             of different dtypes (named); ranks passing different parameters, or a parameter whose mesh
             lies outside the exchange group (named). Raised at construction, before any state exists.
+        ValueError: :meth:`step`, a group's ``matrix_view`` edited after construction so that it cuts a
+            tensor into other matrices, naming the parameter: the plan is made once (every rank raises,
+            nothing written; ``head_split`` may be edited); :meth:`load_state_dict`, a state dict whose
+            group says such a view (nothing loaded).
         optbook.contract.NonFiniteGradientError: :meth:`step`, a gradient shard holds ``inf`` or ``NaN`` on
             any rank (every rank raises, naming the parameter; nothing written).
     """
@@ -141,7 +145,8 @@ class FSDP2Muon(common.MuonWrapper, Muon):
         self.mesh = one if one is not None and one.ndim == 1 else None   # else: the default group
         self.process_group = self.mesh.get_group() if self.mesh is not None else dist.group.WORLD
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._exchange = MeshExchange(all_params, [matrix_view_of(self.param_groups[gi]) for gi in self._group_of],
+        self._views = [matrix_view_of(self.param_groups[gi]) for gi in self._group_of]   # the plan's, fixed
+        self._exchange = MeshExchange(all_params, self._views,
                                       [self.param_groups[gi].get("head_split") for gi in self._group_of],
                                       self.process_group)
         self.world_size, self.rank = self._exchange.world_size, self._exchange.rank
@@ -160,12 +165,35 @@ class FSDP2Muon(common.MuonWrapper, Muon):
 
     def _check_shapes(self, group: dict, params: list) -> None:
         """:class:`optbook.optim.Muon`'s check of the shapes under the group's ``matrix_view`` (every view
-        is stepped here: the exchange moves whole matrices, whichever tensor holds them)."""
+        is stepped here: the exchange moves whole matrices, whichever tensor holds them), and, once the plan
+        is made, that the view still cuts each tensor into the matrices it was planned for (a ``ValueError``
+        naming ``matrix_view`` and the parameter: the owners and the all-to-alls cut each tensor into the
+        matrices of its view at construction, so a view edited into a group later would be stepped under the
+        old one; ``"matrix"`` and ``"flatten"`` cut a 2-D tensor alike).
+        ``head_split`` may be edited: it is read at every step, as :class:`optbook.optim.Muon` reads it."""
         view = matrix_view_of(group)
         check_matrix_view(params, view, "FSDP2Muon", MUON_ROUTE)
         for p in params:
             if isinstance(p, torch.Tensor):
                 split_rows(matrix_shape(p.shape, view)[0], group["head_split"])
+        planned = getattr(self, "_views", None)   # (None while Muon.__init__ adds the groups)
+        if planned is not None and hasattr(self, "_params"):
+            index = {id(q): i for i, q in enumerate(self._params)}
+            for p in params:
+                i = index.get(id(p))
+                # a 2-D tensor is one and the same matrix under "matrix" and "flatten"
+                if i is not None and self._cut(p, planned[i]) != self._cut(p, view):
+                    raise ValueError(f"Invalid matrix_view: {param_name(self.param_groups, i)} was "
+                                     f"planned as matrix_view={planned[i]!r} at construction and its group "
+                                     f"now says {view!r}; FSDP2Muon makes its owners and all-to-all plan "
+                                     "once, so build a new FSDP2Muon with the new view (and load this one's "
+                                     "state_dict into it)")
+
+    @staticmethod
+    def _cut(p, view: str) -> tuple:
+        """The matrices ``view`` cuts ``p`` into: ``((M, N), how many)``."""
+        rows, cols = matrix_shape(tuple(p.shape), view)
+        return (rows, cols), p.numel() // max(rows * cols, 1)
 
     def _repr_options(self) -> str:
         return f"mesh rank {self.rank} of {self.world_size}, max_grad_norm={self.max_grad_norm}"
