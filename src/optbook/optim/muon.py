@@ -440,8 +440,12 @@ class Muon(BookOptimizer):
         view = matrix_view_of(group)
         # (unwrapped: torch.optim wraps a class's step in its profiling hook when the first instance is made)
         if view != "matrix" and inspect.unwrap(type(self).step) is not inspect.unwrap(BookOptimizer.step):
+            shapes = [tuple(p.shape) for p in params if isinstance(p, torch.Tensor)]
             raise ValueError(f"Invalid matrix_view: {type(self).__name__} steps 2-D matrices only "
-                             f"(matrix_view='matrix'), got {view!r}; optbook.optim.Muon steps the others")
+                             f"(matrix_view='matrix'), got {view!r} for parameters of shapes {shapes}; "
+                             "optbook.optim.Muon steps the others in one process, "
+                             "optbook.distributed.FSDP2Muon on fully_shard (DTensor) parameters, or leave "
+                             "them to AdamW (muon_param_groups' default)")
         check_matrix_view(params, view, "Muon", MUON_ROUTE)
         for p in params:
             if isinstance(p, torch.Tensor):
