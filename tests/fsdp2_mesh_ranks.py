@@ -312,6 +312,38 @@ def refusals_case(world_size: int) -> dict:
     return out
 
 
+def layout_case(world_size: int) -> dict:
+    """A state dict of FSDP2Muon holds this rank's shards and records its layout: it loads into the same
+    layout (HSDP 2 x 2, the state then equal to the saver's) and is refused, with nothing loaded, by the
+    same model on a 1-D mesh of 4: with its layout entry (the message names both layouts) and without it
+    (the momentum's placements differ from the parameter's)."""
+    from optbook.distributed import FSDP2Muon
+
+    def opt_on(mesh_shape, names):
+        reference, params = _fsdp(torch.float64, _mesh(mesh_shape, names))
+        return reference, FSDP2Muon(_groups(params, "1d"), ns_dtype=torch.float64, **MUON)
+
+    reference, saver = opt_on(two_d(world_size), ("replicate", "shard"))
+    _set_grads(reference, saver._params, 0)
+    saver.step()
+    sd = saver.state_dict()
+    out = {"recorded": sd["layout"]["placements"][0][2]}
+    _, same = opt_on(two_d(world_size), ("replicate", "shard"))
+    same.load_state_dict(sd)
+    out["same_loads"] = all(torch.equal(same.state[q]["momentum_buffer"].to_local(),
+                                        saver.state[p]["momentum_buffer"].to_local())
+                            for p, q in zip(saver._params, same._params))
+    _, other = opt_on((world_size,), ("shard",))
+    for name, d in (("other", sd), ("stripped", {k: v for k, v in sd.items() if k != "layout"})):
+        try:
+            other.load_state_dict(d)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    out["nothing_loaded"] = len(other.state) == 0
+    return out
+
+
 def _safe(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -339,6 +371,7 @@ def suite(rank: int, world_size: int, *, ckpt_dir: str) -> dict:
         out["dcp/1d-load"] = _safe(dcp_case, world_size, ckpt_dir + "/hsdp", "load", (4,)) if saved else \
             {"error": "not saved"}
         out["dcp/1d-save"] = _safe(dcp_case, world_size, ckpt_dir + "/1d", "save", (4,))
+        out["layout"] = _safe(layout_case, world_size)
     if world_size == 2:
         import os
 

@@ -138,3 +138,18 @@ def test_fsdp2muon_mesh_refuses_mixed_dtypes_and_partial_placements(reports):
         dtypes, partial = row["dtypes"], row["partial"]
         assert dtypes.startswith("ValueError") and "float32" in dtypes and "parameter 1" in dtypes
         assert partial.startswith("TypeError") and "Partial" in partial and "parameter 1" in partial
+
+
+def test_fsdp2muon_mesh_state_dict_records_its_layout_and_refuses_another(reports):
+    """A rank's FSDP2Muon state dict (its shards) records mesh, placements and owners; it loads into the same
+    HSDP layout and is refused, naming both layouts, by a 1-D mesh of the same ranks (nothing loaded) --
+    also when the layout entry is stripped, by the momentum's placements. DCP reshards (the dcp tests)."""
+    for d, rank, row in _rows(reports, "layout", (4,)):
+        assert row["recorded"] == "(Replicate(), Shard(dim=0))", (rank, row["recorded"])
+        assert row["same_loads"], rank
+        assert row["other"] is not None and "saved with another layout" in row["other"], rank
+        assert "mesh (2, 2)" in row["other"] and "mesh (4,)" in row["other"], row["other"]
+        assert "torch.distributed.checkpoint" in row["other"], row["other"]
+        assert row["stripped"] is not None and "is placed as (Replicate(), Shard(dim=0))" in row["stripped"], \
+            row["stripped"]
+        assert row["nothing_loaded"], rank

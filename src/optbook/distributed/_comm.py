@@ -194,11 +194,11 @@ def consolidated_here(who: str, consolidated: tuple, rank: int) -> dict:
 # --- checkpoint layout fingerprints ----------------------------------------------------------------------------
 __all__ += ["check_layout", "check_one_save", "describe_layout", "layout_fingerprint"]
 
-_LAYOUT_KEYS = ("class", "world_size", "mesh", "params", "owners", "buckets", "pieces", "parts")
+_LAYOUT_KEYS = ("class", "world_size", "mesh", "params", "owners", "buckets", "pieces", "parts")   # + "placements"
 
 
 def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None,
-                       mesh: tuple | None = None) -> dict:
+                       mesh: tuple | None = None, placements: list | None = None) -> dict:
     """The layout of ``opt``'s sharded checkpoint files, which every ``sharded_state_dict`` records under
     ``"layout"`` (LayerWiseMuon, DistributedMuon, ZeRO-1's DistributedOptimizer, DistributedChain) and every
     ``load_sharded_state_dict`` compares (:func:`check_layout`).
@@ -209,12 +209,15 @@ def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None,
         parts: ``{name: fingerprint}`` of the members of a composite (DistributedChain), else ``None``.
         name: the class name to record (default ``type(opt).__name__``).
         mesh: the device mesh's shape (default ``(world_size,)``: a 1-D process group).
+        placements: ``[(mesh shape, mesh dim names, placements as text)]`` per parameter, for ``DTensor``
+            parameters (FSDP2Muon), else ``None``.
 
     Returns:
         ``{"class": str, "world_size": int, "mesh": the mesh shape (``(world_size,)`` for a process group),
         "params": [(shape, dtype name)] in param-group order, "owners": [rank per parameter] or None,
         "buckets": [(dtype name, start, numel, shard numel)] or None, "pieces": [[(index, param_start,
-        param_end)] of each rank] or None, "parts": dict or None, "digest": 16 hex digits (SHA-256 of the
+        param_end)] of each rank] or None, "parts": dict or None, "placements": list or None, "digest": 16 hex
+        digits (SHA-256 of the
         rest)}``: plain Python values (``torch.save``/``torch.load(weights_only=True)`` round-trip them).
     """
     layout = getattr(opt, "layout", None)
@@ -226,8 +229,9 @@ def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None,
                                                   for b in layout.buckets],
           "pieces": None if layout is None else [[(q.index, q.param_start, q.param_end) for q in layout.pieces(r)]
                                                  for r in range(layout.world_size)],
-          "parts": parts}
-    fp["digest"] = hashlib.sha256(repr([fp[k] for k in _LAYOUT_KEYS]).encode()).hexdigest()[:16]
+          "parts": parts,
+          "placements": None if placements is None else [(tuple(m), tuple(n), str(t)) for m, n, t in placements]}
+    fp["digest"] = hashlib.sha256(repr([fp[k] for k in (*_LAYOUT_KEYS, "placements")]).encode()).hexdigest()[:16]
     return fp
 
 
@@ -248,6 +252,9 @@ def describe_layout(fp: dict) -> str:
     if fp["buckets"] is not None:
         buckets = [f"{d.replace('torch.', '')} {start}+{n}" for d, start, n, _ in fp["buckets"]]
         text += f", buckets {_short(buckets, 6)}, pieces per rank {_short([len(p) for p in fp['pieces']])}"
+    if fp.get("placements") is not None:
+        kinds = list(dict.fromkeys(f"{t} on mesh {tuple(m)}" for m, _, t in fp["placements"]))
+        text += f", placements {_short(kinds, 4)}"
     if fp["parts"]:
         text += "; " + "; ".join(f"{k}: {describe_layout(v)}" for k, v in fp["parts"].items())
     return text + f", digest {fp['digest']}"

@@ -54,6 +54,7 @@ from ._comm import (
     raise_nonfinite_across,
     validate_locally,
 )
+from ._comm import describe_layout, layout_fingerprint
 from .mesh_exchange import MeshExchange
 from .wire import all_reduce_received
 
@@ -102,7 +103,9 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     ``repr``; ``add_param_group`` after construction raises ``NotImplementedError`` (the owners are fixed).
     Checkpoints are :class:`optbook.optim.Muon`'s layout over the sharded state (``torch.distributed.checkpoint``
     reads and writes them, and reshards them to another mesh shape or world size: the momentum is a
-    ``DTensor`` placed as its parameter).
+    ``DTensor`` placed as its parameter). A rank's own :meth:`state_dict` also records its layout
+    (:meth:`checkpoint_layout`: meshes, placements, owners) and loads only into the same layout; another is
+    refused naming both (:meth:`check_state_dict`).
 
     Raises:
         TypeError: a parameter that is not a ``DTensor``, or one with a ``Partial`` placement (named); what
@@ -214,12 +217,52 @@ class FSDP2Muon(common.MuonWrapper, Muon):
             self._exchange.group = self.process_group
 
     # --- checkpoints: optbook.optim.Muon's layout of the sharded state, the base running the hooks ------------
+    def checkpoint_layout(self) -> dict:
+        """The layout this rank's :meth:`state_dict` records under ``"layout"``
+        (:func:`optbook.distributed._comm.layout_fingerprint`): world size, the mesh shape (of one 1-D mesh,
+        else ``(world_size,)``), every parameter's shape, dtype, mesh shape, mesh dimension names and
+        placements, and the owner of every matrix (:attr:`owners`)."""
+        placements = [(tuple(p.device_mesh.mesh.shape), tuple(p.device_mesh.mesh_dim_names or ()),
+                       tuple(p.placements)) for p in self._params]
+        mesh = tuple(self.mesh.mesh.shape) if self.mesh is not None else None
+        return layout_fingerprint(self, mesh=mesh, placements=placements)
+
     def check_state_dict(self, state_dict) -> None:
-        """:meth:`optbook.optim.BookOptimizer.check_state_dict` (writes nothing; ``ValueError``/``TypeError``)."""
+        """:meth:`optbook.optim.BookOptimizer.check_state_dict`, then the layout: a dict from
+        :meth:`state_dict` holds this rank's shards, so it loads only into the same layout (mesh shapes,
+        placements, owners: :meth:`checkpoint_layout`), and every ``DTensor`` in its state must sit on the
+        parameter's mesh shape with the parameter's placements. ``torch.distributed.checkpoint``
+        (``get_``/``set_optimizer_state_dict``) is the way to another layout: it reshards, and the dict it
+        hands to :meth:`load_state_dict` is laid out for this one. Writes nothing.
+
+        Raises:
+            ValueError: another layout (naming both: what the dict was saved with, what this optimizer
+                has); what :meth:`optbook.optim.BookOptimizer.check_state_dict` raises.
+        """
         BookOptimizer.check_state_dict(self, state_dict)
+        how = ("; reshard through torch.distributed.checkpoint (dcp.save of get_optimizer_state_dict, then "
+               "dcp.load and set_optimizer_state_dict), which writes each rank's part for its placements")
+        saved = state_dict.get("layout")
+        if saved is not None:
+            mine = self.checkpoint_layout()
+            if not isinstance(saved, dict) or saved.get("digest") != mine["digest"]:
+                raise ValueError(f"Invalid state_dict: it was saved with another layout: {describe_layout(saved)}; "
+                                 f"this optimizer's layout: {describe_layout(mine)}{how}")
+        for index, entry in state_dict["state"].items():
+            p = self._params[index] if isinstance(index, int) and 0 <= index < len(self._params) else None
+            for key, value in (entry.items() if isinstance(entry, dict) and p is not None else ()):
+                if not is_dtensor(value):
+                    continue
+                got = (tuple(value.device_mesh.mesh.shape), tuple(value.placements))
+                want = (tuple(p.device_mesh.mesh.shape), tuple(p.placements))
+                if got != want:
+                    raise ValueError(f"Invalid state_dict: state[{index}][{key!r}] of "
+                                     f"{param_name(self.param_groups, index)} is placed as {got[1]} on a mesh of "
+                                     f"shape {got[0]}, the parameter as {want[1]} on a mesh of shape "
+                                     f"{want[0]}{how}")
 
     def _state_dict(self) -> dict:
-        return common.plain_state_dict(self)
+        return {**common.plain_state_dict(self), "layout": self.checkpoint_layout()}
 
     def _load_state_dict(self, state_dict: dict) -> None:
         common.load_plain(self, state_dict)
