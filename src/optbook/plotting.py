@@ -215,11 +215,12 @@ def qk_clip_layout(ax, q_factor, k_factor, max_logits, *, title: str = "") -> li
 
 
 def zero1_step_timeline(ax, layout) -> list[tuple[str, list[int]]]:
-    """Draw one ZeRO-1 step in time (chapter 13): one row per rank, four moments left to right, each the
-    rank's flat buffer (all buckets, padding included) with what the rank holds filled in: the full local
-    gradient; after the reduce-scatter, its shard of the summed gradient; after the optimizer step on that
-    shard (its shard of the masters, ``m`` and ``v``); after the all-gather, the full updated parameters.
-    Arrows between the moments name the collective or the local step.
+    """Draw one ZeRO-1 step in time (chapter 13), top to bottom (narrow enough to read on a phone): four
+    moments, each a block with one row per rank showing the rank's flat buffer (all buckets, padding
+    included) with what the rank holds filled in: the full local gradient; after the reduce-scatter, its
+    shard of the summed gradient; after the optimizer step on that shard (its shard of the masters, ``m``
+    and ``v``); after the all-gather, the full updated parameters. An arrow between two moments names the
+    collective or the local step; every rank takes part in each.
 
     Args:
         ax: a matplotlib ``Axes`` (its axis is switched off).
@@ -238,34 +239,35 @@ def zero1_step_timeline(ax, layout) -> list[tuple[str, list[int]]]:
                ("its shard, summed", "#d62728", [shard] * d),
                ("shard stepped (master, m, v)", "#1f77b4", [shard] * d),
                ("parameters (full)", "#2ca02c", [total] * d)]
-    arrows = ["reduce-\nscatter", "AdamW on\nthe shard", "all-\ngather"]
+    arrows = ["reduce-scatter", "AdamW on the shard", "all-gather"]
     ax.set_axis_off()
-    width, gap, height = 4.0, 1.5, 0.6
+    width, height, block = 6.0, 0.7, d * 1.0 + 2.2   # a block: the title, d rows, the arrow below it
     for k, (title, color, _) in enumerate(moments):
-        x0 = k * (width + gap)
-        ax.text(x0 + width / 2, d * 1.0 + 0.1, title, ha="center", va="bottom", fontsize=8.5, weight="bold")
+        top = -k * block
+        ax.text(0, top + 0.15, f"{k + 1}. {title}", ha="left", va="bottom", fontsize=10, weight="bold")
         for r in range(d):
-            y = (d - 1 - r) * 1.0
-            ax.add_patch(Rectangle((x0, y), width, height, facecolor="0.95", edgecolor="0.6", lw=0.6))
+            y = top - (r + 1) * 1.0
+            ax.add_patch(Rectangle((0, y), width, height, facecolor="0.95", edgecolor="0.6", lw=0.6))
             if k in (0, 3):
-                ax.add_patch(Rectangle((x0, y), width, height, facecolor=color, edgecolor="0.3", lw=0.6))
+                ax.add_patch(Rectangle((0, y), width, height, facecolor=color, edgecolor="0.3", lw=0.6))
             else:
                 for b in layout.buckets:   # this rank's shard of each bucket, where it lies in the buffer
                     lo = (b.start + r * b.shard_numel) / total * width
-                    ax.add_patch(Rectangle((x0 + lo, y), b.shard_numel / total * width, height, facecolor=color,
+                    ax.add_patch(Rectangle((lo, y), b.shard_numel / total * width, height, facecolor=color,
                                            edgecolor="0.3", lw=0.6))
-            if k == 0:
-                ax.text(x0 - 0.15, y + height / 2, f"rank {r}", ha="right", va="center", fontsize=8.5)
-            if k < len(arrows):   # one arrow per rank: every rank takes part in every phase
-                ax.annotate("", xy=(x0 + width + gap - 0.15, y + height / 2), xytext=(x0 + width + 0.15, y + height / 2),
-                            arrowprops=dict(arrowstyle="->", color="0.35", lw=1.0))
+            ax.text(-0.15, y + height / 2, f"rank {r}", ha="right", va="center", fontsize=9.5)
         if k < len(arrows):
-            ax.text(x0 + width + gap / 2, -0.15, arrows[k], ha="center", va="top", fontsize=8)
-    ax.annotate("", xy=(4 * width + 3 * gap, -1.05), xytext=(0, -1.05),
+            y0, y1 = top - d * 1.0 - 0.15, top - block + 0.85
+            ax.annotate("", xy=(width / 2, y1), xytext=(width / 2, y0),
+                        arrowprops=dict(arrowstyle="->", color="0.35", lw=1.2))
+            ax.text(width / 2 + 0.2, (y0 + y1) / 2, arrows[k], ha="left", va="center", fontsize=9.5)
+    bottom = -3 * block - d * 1.0
+    ax.annotate("", xy=(width + 0.6, bottom), xytext=(width + 0.6, 0.6),
                 arrowprops=dict(arrowstyle="->", color="0.5", lw=0.8))
-    ax.text(2 * width + 1.5 * gap, -1.15, "time (one step)", ha="center", va="top", fontsize=8, color="0.35")
-    ax.set_xlim(-1.3, 4 * width + 3 * gap + 0.2)
-    ax.set_ylim(-1.6, d * 1.0 + 0.6)
+    ax.text(width + 0.75, (bottom + 0.6) / 2, "time (one step)", ha="left", va="center", fontsize=9,
+            color="0.35", rotation=-90)
+    ax.set_xlim(-1.5, width + 1.3)
+    ax.set_ylim(bottom - 0.2, 1.0)
     return [(title, held) for title, _, held in moments]
 
 
