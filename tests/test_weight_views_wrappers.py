@@ -15,8 +15,10 @@ names the argument and says what to use instead:
   kernels ``fully_shard``-ed on a 1-D mesh and on an HSDP 2-D mesh (real forward and backward passes
   included), on stacks sharded by experts, by rows and on both dimensions of a 2-D mesh, its ``state_dict``,
   DCP across mesh shapes and world sizes (saved on HSDP 2 x 2 at 4 ranks, resumed on a 1-D mesh of 4 and of
-  2); ``LayerWiseMuon``, ``DistributedMuon``, ``DistributedChain`` and ZeRO-1's ``DistributedOptimizer``
-  refuse the views.
+  2); ``LayerWiseMuon`` (each tensor owned whole by one rank: float32, float64, a bfloat16 model against
+  ``MixedPrecisionOptimizer(Muon)``; ``state_dict``; ``sharded_state_dict`` saved at 4 ranks and resumed at
+  2; an edited ``matrix_view`` followed) and ``DistributedChain`` with a LayerWiseMuon member;
+  ``DistributedMuon`` (element shards) and ZeRO-1's ``DistributedOptimizer`` refuse the views.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from weight_views_ranks import FSDP2_CASES, HP, VIEWS, grads_of, suite, view_options, weights_of
 
 from helpers import scaled_timeout
-from optbook.distributed import launch
+from optbook.distributed import launch, lpt_assign
 from optbook.offload import OffloadOptimizer
 from optbook.optim import AdamW, ChainedOptimizer, Muon
 from optbook.precision import MixedPrecisionOptimizer
@@ -315,13 +317,49 @@ def test_fsdp2_refuses_a_channels_last_kernel_itself(reports):
         assert "non-contiguous" in row["fully_shard_channels_last"]
 
 
-@pytest.mark.parametrize("who", ["LayerWiseMuon", "DistributedMuon", "DistributedChain"])
+#: LayerWiseMuon's ``costs`` of ``weight_views_ranks.OWNED``: ns_cost ``max(m, n) * min(m, n)**2`` of each
+#: matrix the view steps, times their number: a Linear (8, 6); kernels as (out, in*kh*kw): (8, 36), (3, 72),
+#: (5, 3); stacks: 3 x (4, 6), 3 x 2 heads (4, 4) (head_split=2 of (8, 4)), 2 * 2 x (4, 6).
+OWNED_COSTS = [8 * 6**2, 36 * 8**2, 72 * 3**2, 5 * 3**2, 3 * 6 * 4**2, 3 * 2 * 4 * 4**2, 4 * 6 * 4**2]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_layerwise_muon_owns_kernels_and_stacks_whole_and_steps_them_bitwise_as_muon(reports, dtype):
+    """Each tensor owned by one rank (LPT on the cost of its view's matrices), stepped bitwise as
+    single-process Muon on the mean gradient after every step: weights on every rank, the owner's momentum
+    and (bfloat16 model) float32 master, which is ``MixedPrecisionOptimizer(Muon)``'s; through a
+    ``state_dict`` into a fresh LayerWiseMuon and a ``matrix_view`` edited before the last step. (On main
+    before this, LayerWiseMuon refused both views at construction.)"""
+    for d, rank, row in _rows(reports, f"layerwise/{dtype}"):
+        assert row["costs"] == OWNED_COSTS, (d, rank, row["costs"])
+        assert row["owners"] == lpt_assign(OWNED_COSTS, d), (d, rank, row["owners"])
+        assert row["equal"] and row["moved"], (d, rank)
+        assert row["channels_last"], (d, rank)    # the channels_last kernel keeps its layout
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_layerwise_muon_sharded_checkpoint_of_views_resumes_at_another_world_size(reports, dtype):
+    """Every rank's ``sharded_state_dict`` saved at 4 ranks, the list loaded at 2 (other owners): the
+    remaining steps bitwise the uninterrupted single-process Muon's."""
+    for d, rank, row in _rows(reports, f"layerwise/{dtype}/resharded", (2,)):
+        assert row["equal"], (d, rank)
+
+
+def test_distributed_chain_with_a_layerwise_muon_member_steps_views_bitwise(reports):
+    for d, rank, row in _rows(reports, "chain"):
+        assert row["equal"] and row["bias_moved"], (d, rank)
+
+
 @pytest.mark.parametrize("view", ["flatten", "stacked"])
-def test_distributed_muons_refuse_the_views_naming_matrix_view(reports, who, view):
+def test_distributed_muon_refuses_the_views_naming_matrix_view_and_the_ways_out(reports, view):
+    """DistributedMuon's element shards ignore the boundaries of the matrices in a tensor: it refuses the
+    views at construction and names the optimizers that step them."""
     for _, _, row in _rows(reports, "refusals", (2,)):
-        message = row[f"{who}/{view}"]
-        assert message.startswith("ValueError: Invalid matrix_view: "), message
+        message = row[f"DistributedMuon/{view}"]
+        assert message.startswith("ValueError: Invalid matrix_view: DistributedMuon steps 2-D matrices "
+                                  "only"), message
         assert f"got {view!r}" in message and "optbook.optim.Muon" in message, message
+        assert "optbook.distributed.LayerWiseMuon" in message and "FSDP2Muon" in message, message
 
 
 def test_zero1_refuses_muon_as_its_optimizer_class(reports):

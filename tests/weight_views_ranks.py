@@ -1,7 +1,9 @@
 """Rank programs of tests/test_weight_views_wrappers.py: conv kernels (``matrix_view="flatten"``) and stacks
 (``matrix_view="stacked"``, with and without ``head_split``) in ``FSDP2Muon`` on 1-D and 2-D device meshes,
-its checkpoints (``state_dict``, DCP across mesh shapes and world sizes), and the distributed wrappers that
-refuse the views; also the weights, gradients and reference the single-process tests share.
+its checkpoints (``state_dict``, DCP across mesh shapes and world sizes); ``LayerWiseMuon`` (alone and in a
+``DistributedChain``) on replicated kernels and stacks, its ``state_dict`` and ``sharded_state_dict``
+(saved at 4 ranks, resumed at 2); the distributed wrappers that refuse the views; also the weights,
+gradients and reference the single-process tests share.
 
 Every FSDP2 case builds the parameters twice: plain tensors (the reference, :func:`muon_reference`:
 ``optbook.optim.Muon`` with the same groups) and the same values laid out by the parallel API
@@ -335,6 +337,158 @@ def edit_case(world_size: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- LayerWiseMuon: whole tensors per rank
+
+#: ``(kind of weight, shape)`` of the LayerWiseMuon cases: a Linear, conv kernels (one channels_last, one
+#: 1 x 1), a stack, a stack cut into heads, a 4-D stack.
+OWNED = [("matrix", (8, 6)), ("conv", (8, 4, 3, 3)), ("conv-channels_last", (3, 8, 3, 3)),
+         ("conv", (5, 3, 1, 1)), ("stack", (3, 4, 6)), ("stack-head_split", (3, 8, 4)),
+         ("stack-4d", (2, 2, 4, 6))]
+LW_STEPS, LW_SPLIT = 4, 2
+
+
+def _grid(shape, seed: int) -> torch.Tensor:
+    """Seeded float64 values on the grid ``k / 8`` (small ``|k|``): every partial sum of a few of them, and
+    their half and quarter, is exact in bfloat16, float32 and float64."""
+    g = torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return g.mul(8).round().div(8)
+
+
+def owned_grads(params, views, step: int, rank: int | None):
+    """Step ``step``'s gradients: rank ``r`` gets ``G + (-1)**r N`` (grid values), so the mean over an even
+    number of ranks is exactly ``G`` whatever the order of the sum; ``rank=None``: ``G`` (the reference's)."""
+    for i, (p, v) in enumerate(zip(params, views)):
+        g = _grid(p.shape, 1000 * step + i)
+        if rank is not None:
+            g = g + (-1) ** rank * _grid(p.shape, 1000 * step + i + 500)
+        p.grad = g.to(p.dtype).to(memory_format=_format(v, p.shape))
+
+
+def _owned_start(low: bool, dtype):
+    views = [v for v, _ in OWNED]
+    start = [(weights_of(v, torch.float64, shape) + i).to(memory_format=_format(v, shape))
+             for i, (v, shape) in enumerate(OWNED)]
+    return views, [t.to(torch.bfloat16 if low else dtype) for t in start]
+
+
+def _owned_reference(start, views, low: bool, dtype):
+    from optbook.precision import MixedPrecisionOptimizer
+
+    params = [nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in start]
+    opt = muon_reference(params, views, dtype)
+    return params, (MixedPrecisionOptimizer(opt) if low else opt)
+
+
+def layerwise_case(world_size: int, rank: int, dtype_name: str, ckpt_dir: str) -> dict:
+    """LayerWiseMuon on :data:`OWNED` (``"bfloat16"``: a bfloat16 model, Newton–Schulz in float32, against
+    ``MixedPrecisionOptimizer(Muon)``) against single-process Muon on the mean gradient, bitwise after every
+    step (weights; momentum and float32 masters of the owned tensors). After :data:`LW_SPLIT` steps
+    ``state_dict()`` goes into a fresh LayerWiseMuon (at 4 ranks also every rank's ``sharded_state_dict``
+    to ``ckpt_dir``, which the 2-rank launch resumes from: :func:`resharded_case`); before the last step the
+    ``(3, 4, 6)`` stack's group is edited from ``"stacked"`` to ``"flatten"`` in both (LayerWiseMuon
+    follows it: the owner steps the tensor under its group's view of the moment)."""
+    from optbook.distributed import LayerWiseMuon
+
+    low = dtype_name == "bfloat16"
+    dtype = torch.float32 if low else getattr(torch, dtype_name)
+    views, start = _owned_start(low, dtype)
+    ref_params, ref = _owned_reference(start, views, low, dtype)
+    params = [nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in start]
+    opt = LayerWiseMuon(groups_of(params, views), ns_dtype=dtype, **HP)
+    out = {"costs": list(opt.costs), "owners": list(opt.owners)}
+
+    def same() -> bool:
+        ok = all(torch.equal(p.detach(), r.detach()) for p, r in zip(params, ref_params))
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            if opt.owners[i] != opt.rank:
+                continue
+            ok &= torch.equal(opt.state[p]["momentum_buffer"], ref.state[r]["momentum_buffer"])
+            if low:
+                ok &= torch.equal(opt.master_params[i], ref.copy_of(r).detach())
+        return ok
+
+    ok, path = True, _shard_path(ckpt_dir, dtype_name)
+    for step in range(LW_STEPS):
+        if step == LW_SPLIT:
+            saved = copy.deepcopy(opt.state_dict())
+            if world_size == 4:
+                torch.save(opt.sharded_state_dict(), path.format(rank))
+            opt = LayerWiseMuon(groups_of(params, views), ns_dtype=dtype, **HP)
+            opt.load_state_dict(saved)
+        if step == LW_STEPS - 1:
+            for o in (ref, opt):
+                o.param_groups[4]["matrix_view"] = "flatten"
+        owned_grads(params, views, step, rank)
+        owned_grads(ref_params, views, step, None)
+        ref.step()
+        opt.step()
+        ok &= same()
+    out["equal"] = ok
+    out["moved"] = all(not torch.equal(p.detach(), t) for p, t in zip(params, start))
+    out["channels_last"] = params[2].is_contiguous(memory_format=torch.channels_last)
+    return out
+
+
+def _shard_path(ckpt_dir: str, dtype_name: str) -> str:
+    return os.path.join(ckpt_dir, f"layerwise_{dtype_name}_{{}}.pt")
+
+
+def resharded_case(rank: int, dtype_name: str, ckpt_dir: str) -> dict:
+    """The 4-rank launch's ``sharded_state_dict`` files (after :data:`LW_SPLIT` steps) loaded by a
+    LayerWiseMuon at 2 ranks (other owners) on the reference's weights, the remaining steps:
+    ``{"equal": bitwise the uninterrupted single-process Muon's weights}``."""
+    from optbook.distributed import LayerWiseMuon
+
+    low = dtype_name == "bfloat16"
+    dtype = torch.float32 if low else getattr(torch, dtype_name)
+    path = _shard_path(ckpt_dir, dtype_name)
+    views, start = _owned_start(low, dtype)
+    ref_params, ref = _owned_reference(start, views, low, dtype)
+    for step in range(LW_SPLIT):
+        owned_grads(ref_params, views, step, None)
+        ref.step()
+    params = [nn.Parameter(r.detach().clone(memory_format=torch.preserve_format)) for r in ref_params]
+    opt = LayerWiseMuon(groups_of(params, views), ns_dtype=dtype, **HP)
+    opt.load_sharded_state_dict([torch.load(path.format(r), weights_only=False) for r in range(4)])
+    for step in range(LW_SPLIT, LW_STEPS):
+        owned_grads(params, views, step, rank)
+        owned_grads(ref_params, views, step, None)
+        ref.step()
+        opt.step()
+    return {"equal": all(torch.equal(p.detach(), r.detach()) for p, r in zip(params, ref_params))}
+
+
+def chain_case(world_size: int, rank: int) -> dict:
+    """``DistributedChain(LayerWiseMuon(views), DistributedOptimizer(AdamW))`` (float64): the Muon
+    member's tensors bitwise single-process Muon's after every step, also after ``state_dict()`` into a
+    fresh chain."""
+    from optbook.distributed import DistributedChain, DistributedOptimizer, LayerWiseMuon
+    from optbook.optim import AdamW
+
+    dtype = torch.float64
+    views, start = _owned_start(False, dtype)
+    ref_params, ref = _owned_reference(start, views, False, dtype)
+    params = [nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in start]
+    bias = nn.Parameter(torch.zeros(5, dtype=dtype))
+
+    def chain():
+        return DistributedChain(LayerWiseMuon(groups_of(params, views), ns_dtype=dtype, **HP),
+                                DistributedOptimizer([bias], AdamW, lr=0.01))
+
+    opt, ok = chain(), True
+    for step in range(LW_STEPS):
+        if step == LW_SPLIT:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = chain()
+            opt.load_state_dict(saved)
+        owned_grads(params + [bias], views + ["matrix"], step, rank)
+        owned_grads(ref_params, views, step, None)
+        ref.step()
+        opt.step()
+        ok &= all(torch.equal(p.detach(), r.detach()) for p, r in zip(params, ref_params))
+    return {"equal": ok, "bias_moved": bool(bias.detach().abs().sum() > 0)}
+
+
 def _message(fn) -> str | None:
     try:
         fn()
@@ -348,8 +502,7 @@ def refusals_case(world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from optbook.distributed import (DistributedChain, DistributedMuon, DistributedOptimizer, FSDP2Muon,
-                                     LayerWiseMuon)
+    from optbook.distributed import DistributedMuon, DistributedOptimizer, FSDP2Muon
     from optbook.optim import AdamW
     from optbook.precision import MixedPrecisionOptimizer
 
@@ -358,10 +511,7 @@ def refusals_case(world_size: int) -> dict:
         def groups():
             return [{"params": [nn.Parameter(weights_of(kind, torch.float32))], "matrix_view": view}]
 
-        out[f"LayerWiseMuon/{view}"] = _message(lambda: LayerWiseMuon(groups(), lr=0.02))
         out[f"DistributedMuon/{view}"] = _message(lambda: DistributedMuon(groups(), lr=0.02))
-        out[f"DistributedChain/{view}"] = _message(lambda: DistributedChain(
-            LayerWiseMuon(groups(), lr=0.02), DistributedOptimizer([nn.Parameter(torch.zeros(3))], AdamW)))
     out["DistributedOptimizer"] = _message(lambda: DistributedOptimizer(
         [{"params": [nn.Parameter(weights_of("conv", torch.float32))], "matrix_view": "flatten"}], Muon))
     mesh = _mesh((world_size,), ("shard",))
@@ -396,6 +546,11 @@ def suite(rank: int, world_size: int, *, ckpt_dir: str) -> dict:
     saved = os.path.exists(os.path.join(ckpt_dir, ".metadata"))   # (no load of a checkpoint never written)
     out["dcp/load"] = (_safe(dcp_case, world_size, ckpt_dir, "load", (world_size,)) if saved
                        else {"error": "no checkpoint: the 4-rank launch saves it"})
+    for name in ("float64", "float32", "bfloat16"):
+        out[f"layerwise/{name}"] = _safe(layerwise_case, world_size, rank, name, ckpt_dir)
+        if world_size == 2:   # the 4-rank launch's sharded files, resumed at 2 ranks
+            out[f"layerwise/{name}/resharded"] = _safe(resharded_case, rank, name, ckpt_dir)
+    out["chain"] = _safe(chain_case, world_size, rank)
     if world_size == 2:
         out["refusals"] = _safe(refusals_case, world_size)
     return out

@@ -15,6 +15,7 @@ from fractions import Fraction
 import torch
 
 from .._checks import check_int
+from ..optim.matrix_views import matrix_shape, matrix_view_of
 from ..optim.muon import split_rows
 
 __all__ = ["lpt_assign", "ns_cost", "owned_pack", "owner_step_comm", "pingpong_assign", "rank_loads",
@@ -22,7 +23,7 @@ __all__ = ["lpt_assign", "ns_cost", "owned_pack", "owner_step_comm", "pingpong_a
 
 
 # --- assignment of whole matrices to ranks -----------------------------------------------------------------
-def ns_cost(shape, head_split=None) -> int:
+def ns_cost(shape, head_split=None, matrix_view: str = "matrix") -> int:
     """Newton–Schulz cost model of one ``(m, n)`` matrix: ``max(m, n) * min(m, n)**2`` (multiply-adds per
     iteration up to a constant: the Gram ``X X^T`` of the wide orientation is ``min**2 * max``, and so are
     the products with it). With ``head_split`` (:func:`optbook.optim.muon.split_rows`) the blocks are
@@ -30,14 +31,25 @@ def ns_cost(shape, head_split=None) -> int:
     ``_ns_compute_cost`` (main branch, commit 85344907be, PR #6379; releases up to core_v0.19.0 pack by
     element count).
 
+    With ``matrix_view`` (a param group's, :mod:`optbook.optim.matrix_views`) ``shape`` is a tensor's:
+    the cost of each matrix the view steps in it (:func:`~optbook.optim.matrix_views.matrix_shape`) times
+    their number: ``"flatten"``: the one ``(out, prod(rest))`` matrix of a conv kernel; ``"stacked"``:
+    ``prod(E)`` matrices ``(M, N)`` of a stack ``(*E, M, N)``. A ``(64, 2, 3, 3)`` kernel costs as
+    ``(64, 18)``: ``64 * 18**2 = 20736``.
+
     Raises:
-        ValueError: ``shape`` is not 2-D, or ``head_split`` does not tile the rows.
+        ValueError: ``shape`` is not one ``matrix_view`` steps (not 2-D under ``"matrix"``, fewer than 2
+            dimensions under ``"flatten"``, fewer than 3 under ``"stacked"``), an unknown ``matrix_view``,
+            or ``head_split`` does not tile the rows.
     """
     shape = tuple(int(s) for s in shape)
-    if len(shape) != 2:
-        raise ValueError(f"Invalid shape: expected (m, n), got {shape}")
-    m, n = shape
-    return sum(max(r, n) * min(r, n) ** 2 for r in split_rows(m, head_split)) if m else 0
+    view = matrix_view_of({"matrix_view": matrix_view})
+    if len(shape) < {"matrix": 2, "flatten": 2, "stacked": 3}[view] or (view == "matrix" and len(shape) > 2):
+        raise ValueError(f"Invalid shape: matrix_view={view!r} steps no matrix of shape {shape}"
+                         if view != "matrix" else f"Invalid shape: expected (m, n), got {shape}")
+    m, n = matrix_shape(shape, view)
+    count = math.prod(shape[:-2]) if view == "stacked" else 1
+    return count * sum(max(r, n) * min(r, n) ** 2 for r in split_rows(m, head_split)) if m and count else 0
 
 
 def _check_costs(costs) -> list:

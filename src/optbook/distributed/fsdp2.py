@@ -38,8 +38,7 @@ import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq
 from ..optim import Muon
-from ..optim.matrix_views import check_matrix_view, matrix_shape, matrix_view_of
-from ..optim.muon import MUON_ROUTE, split_rows
+from ..optim.matrix_views import matrix_shape, matrix_view_of
 from ..optim.optimizer import BookOptimizer
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
@@ -123,6 +122,8 @@ class FSDP2Muon(common.MuonWrapper, Muon):
 
     #: steps sharded parameters (whole matrices are brought to owners), unlike :class:`optbook.optim.Muon`
     gathers_whole_matrices = True
+    #: every ``matrix_view`` is stepped (:attr:`optbook.optim.Muon.steps_matrix_views`): whole matrices
+    steps_matrix_views = True
 
     def __init__(self, params, *, max_grad_norm=None, **muon_defaults):
         max_grad_norm = common.check_max_grad_norm(max_grad_norm)
@@ -174,11 +175,8 @@ class FSDP2Muon(common.MuonWrapper, Muon):
         matrices of its view at construction, so a view edited into a group later would be stepped under the
         old one; ``"matrix"`` and ``"flatten"`` cut a 2-D tensor alike).
         ``head_split`` may be edited: it is read at every step, as :class:`optbook.optim.Muon` reads it."""
+        Muon._check_shapes(self, group, params)   # every view (steps_matrix_views)
         view = matrix_view_of(group)
-        check_matrix_view(params, view, "FSDP2Muon", MUON_ROUTE)
-        for p in params:
-            if isinstance(p, torch.Tensor):
-                split_rows(matrix_shape(p.shape, view)[0], group["head_split"])
         planned = getattr(self, "_views", None)   # (None while Muon.__init__ adds the groups)
         if planned is not None and hasattr(self, "_params"):
             index = {id(q): i for i, q in enumerate(self._params)}

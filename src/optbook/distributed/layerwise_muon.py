@@ -4,17 +4,19 @@ Newton–Schulz orthogonalises a *whole* matrix: the polar factor of a matrix is
 the polar factors of its pieces, so the ZeRO-1 layout of chapter 13 (element shards that ignore parameter
 boundaries) cannot step Muon shard by shard. Two ways out:
 
-* :class:`LayerWiseMuon` -- **whole-matrix ownership**. Each 2-D parameter is owned by one rank, chosen by
+* :class:`LayerWiseMuon` -- **whole-matrix ownership**. Each parameter (a matrix, or a conv kernel or stack
+  its group's ``matrix_view`` sees as matrices) is owned by one rank, chosen by
   longest-processing-time-first bin packing (:func:`lpt_assign`) on the Newton–Schulz cost
-  ``max(m, n) * min(m, n)**2`` (:func:`ns_cost`). The gradients are averaged over the ranks (one
-  all-reduce, as ``DistributedDataParallel``); the owner of a matrix keeps its momentum and runs the Muon
-  step on it (the functional core :func:`optbook.optim.functional.muon`); the updated matrices are all-gathered so
-  every rank holds the same parameters. This is Megatron-LM's ``LayerWiseDistributedOptimizer``
-  (``megatron/core/optimizer/layer_wise_optimizer.py``, core_v0.16.0: gradients all-reduced, parameters
-  all-gathered with variable sizes; its owners are assigned by element count, ping-pong over the ranks in
-  order of size; core_v0.19.0's shard-aligned path packs by element count with LPT, and only Megatron-LM's
-  main branch since commit 85344907be, PR #6379, after core_v0.19.0, packs by the ``max(m, n) * min(m, n)**2``
-  used here) and the ownership DeepSeek-V4 describes (whole logical matrices assigned to ranks).
+  ``max(m, n) * min(m, n)**2`` of its matrices (:func:`ns_cost`). The gradients are averaged over the ranks
+  (one all-reduce, as ``DistributedDataParallel``); the owner of a matrix keeps its momentum and runs the Muon
+  step on it (the functional core :func:`optbook.optim.functional.muon`); the updated matrices are
+  all-gathered so every rank holds the same parameters. This is Megatron-LM's
+  ``LayerWiseDistributedOptimizer`` (``megatron/core/optimizer/layer_wise_optimizer.py``, core_v0.16.0:
+  gradients all-reduced, parameters all-gathered with variable sizes; its owners are assigned by element
+  count, ping-pong over the ranks in order of size; core_v0.19.0's shard-aligned path packs by element count
+  with LPT, and only Megatron-LM's main branch since commit 85344907be, PR #6379, after core_v0.19.0, packs
+  by the ``max(m, n) * min(m, n)**2`` used here) and the ownership DeepSeek-V4 describes (whole logical
+  matrices assigned to ranks).
 * :class:`DistributedMuon` (:mod:`optbook.distributed.distributed_muon`) -- **Moonlight's distributed
   Muon** (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982, section 2.3 and
   Algorithm 1): the ZeRO-1 layout of
@@ -79,9 +81,11 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
     not also wrap the model in ``DistributedDataParallel``), then ``zero_grad``.
 
     Args:
-        params: 2-D real floating tensors ``(fan_out, fan_in)`` or param-group dicts, as
-            :class:`optbook.optim.Muon`: bfloat16, float32 or float64 (float16 is refused: its small
-            gradients flush to zero without a loss scaler, which this class does not take); the same
+        params: real floating tensors or param-group dicts, as :class:`optbook.optim.Muon`: 2-D
+            ``(fan_out, fan_in)``, or under a group's ``matrix_view`` conv kernels ``(out, *rest)``
+            (``"flatten"``, also ``channels_last``) and stacks ``(*E, M, N)`` (``"stacked"``); bfloat16,
+            float32 or float64 (float16 is refused: its small gradients flush to zero without a loss
+            scaler, which this class does not take); the same
             shapes, dtypes and order on every rank (checked: a collective at construction). All on one
             device (CPU for gloo, the rank's GPU for NCCL). At construction every parameter is broadcast
             from the group's rank 0.
@@ -91,12 +95,20 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
             L2 norm before the momentum (in a :class:`~optbook.distributed.DistributedChain`, leave it
             ``None``: the chain clips).
         **muon_defaults: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
-            ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, ``ns_dtype``, ``head_split``
-            (as :class:`optbook.optim.Muon`).
+            ``coefficients``, ``scale_mode``, ``extra_scale_factor``, ``eps``, ``ns_dtype``, ``head_split``,
+            ``matrix_view``, ... (as :class:`optbook.optim.Muon`).
+
+    **Conv kernels and stacks** (``matrix_view``, :mod:`optbook.optim.matrix_views`): a tensor is owned
+    whole, by one rank, which steps all its matrices with :func:`optbook.optim.functional.muon` (the
+    single-process arithmetic: bitwise :class:`optbook.optim.Muon` with the same groups on the mean
+    gradient, ``channels_last`` kernels included); its cost is :func:`ns_cost` of the view's matrix shape
+    times the number of matrices (``(out, in*kh*kw)`` once for a kernel, ``(M, N)`` ``prod(E)`` times for
+    a stack). A group's ``matrix_view`` edited after construction is followed at the next step, bitwise
+    Muon's (the owners stay those of the construction-time costs: a matter of balance only).
 
     Attributes:
-        owners: the owner rank of each parameter, in param-group order; ``costs``: their :func:`ns_cost`;
-            ``loads``: the total cost per rank.
+        owners: the owner rank of each parameter, in param-group order; ``costs``: their :func:`ns_cost`
+            (under their group's ``matrix_view``); ``loads``: the total cost per rank.
         state: momentum buffers of the parameters this rank owns only (``1/d`` of Muon's state); float32
             for a bfloat16 parameter. Its truth value is whether any rank holds state (the same on every
             rank, so that ``torch.distributed.checkpoint`` primes on every rank or none).
@@ -166,6 +178,9 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
             :mod:`optbook.contract`).
     """
 
+    #: conv kernels and stacks are stepped whole by their owner (:attr:`Muon.steps_matrix_views`)
+    steps_matrix_views = True
+
     def __init__(self, params, process_group=None, *, assignment: str = "lpt", max_grad_norm=None,
                  **muon_defaults):
         group, rank, world_size = _comm.group_info(process_group)
@@ -183,7 +198,8 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
         self._params = all_params
         # no parameter: the CPU, or the current GPU for NCCL (its status all-reduce takes no CPU tensor)
         self.device = device if device is not None else _reduce_device([], group)
-        self.costs = [ns_cost(p.shape, g["head_split"]) for g in self.param_groups for p in g["params"]]
+        self.costs = [ns_cost(p.shape, g["head_split"], g.get("matrix_view", "matrix"))
+                      for g in self.param_groups for p in g["params"]]
         self.owners = (lpt_assign(self.costs, world_size) if assignment == "lpt"
                        else round_robin_assign(len(self.costs), world_size))
         self.loads = rank_loads(self.costs, self.owners, world_size)

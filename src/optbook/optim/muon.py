@@ -387,7 +387,8 @@ class Muon(BookOptimizer):
             ``(M, N)``: MoE experts, per-head weights; bitwise the step of the ``prod(E)`` matrices given as
             separate parameters of one group). The scale (``scale_mode``) and ``head_split`` apply to each
             matrix stepped: ``(out, in*kh*kw)`` for a flattened kernel, ``(M, N)`` for each matrix of a stack.
-            Only :class:`Muon` itself steps the last two; its distributed subclasses refuse them.
+            :class:`Muon`, :class:`optbook.distributed.LayerWiseMuon` (whole tensors per rank) and
+            :class:`optbook.distributed.FSDP2Muon` step the last two; ``DistributedMuon`` refuses them.
 
     Blocks of equal shape (up to a transpose) across the group are orthogonalised in one batched call.
     State per parameter: ``momentum_buffer`` (the parameter's shape and dtype).
@@ -405,6 +406,12 @@ class Muon(BookOptimizer):
 
     # each may be a one-element tensor, read as a float at each step (BookOptimizer.float_options)
     float_options = ("lr", "momentum", "weight_decay", "extra_scale_factor", "eps")
+
+    #: Whether a subclass with a step of its own steps every ``matrix_view``: ``False`` (default) for such a
+    #: subclass takes ``"matrix"`` only (:meth:`_check_shapes`); a subclass whose step hands whole tensors to
+    #: :func:`muon` sets it ``True`` (:class:`optbook.distributed.LayerWiseMuon`,
+    #: :class:`optbook.distributed.FSDP2Muon`). Muon itself steps every view whatever its value.
+    steps_matrix_views = False
 
     state_tensors = 1  #: parameter-sized state tensors (the momentum buffer), for optbook.memory
 
@@ -435,18 +442,21 @@ class Muon(BookOptimizer):
 
     def _check_shapes(self, group: dict, params: list) -> None:
         """Every tensor of ``params`` has a shape the group's ``matrix_view`` steps, whose matrices'
-        rows ``head_split`` divides; a subclass with a step of its own (the distributed Muons) takes
-        ``"matrix"`` only."""
+        rows ``head_split`` divides; a subclass with a step of its own takes ``"matrix"`` only unless it
+        sets :attr:`steps_matrix_views` (``DistributedMuon``, whose element shards ignore the boundaries
+        of the matrices in a tensor, does not)."""
         view = matrix_view_of(group)
         # (unwrapped: torch.optim wraps a class's step in its profiling hook when the first instance is made)
-        if view != "matrix" and inspect.unwrap(type(self).step) is not inspect.unwrap(BookOptimizer.step):
+        if (view != "matrix" and not self.steps_matrix_views
+                and inspect.unwrap(type(self).step) is not inspect.unwrap(BookOptimizer.step)):
             shapes = [tuple(p.shape) for p in params if isinstance(p, torch.Tensor)]
             raise ValueError(f"Invalid matrix_view: {type(self).__name__} steps 2-D matrices only "
                              f"(matrix_view='matrix'), got {view!r} for parameters of shapes {shapes}; "
                              "optbook.optim.Muon steps the others in one process, "
+                             "optbook.distributed.LayerWiseMuon with whole tensors per rank, "
                              "optbook.distributed.FSDP2Muon on fully_shard (DTensor) parameters, or leave "
                              "them to AdamW (muon_param_groups' default)")
-        check_matrix_view(params, view, "Muon", MUON_ROUTE)
+        check_matrix_view(params, view, type(self).__name__, MUON_ROUTE)
         for p in params:
             if isinstance(p, torch.Tensor):
                 split_rows(matrix_shape(p.shape, view)[0], group["head_split"])
