@@ -1,0 +1,215 @@
+"""The model and the rank functions of chapter 14c (Muon on MoE and 2-D meshes).
+
+:class:`ConvMoENet` is the chapter's small model with every kind of weight Muon meets in a real network: a
+convolution kernel ``(out, in, kh, kw)``, a stack of expert matrices ``(E, M, N)``, a router, a norm and
+an output head; :func:`optbook.optim.muon_param_groups` routes it (``conv="flatten"``, ``stacked=...``).
+
+:func:`chapter14c` runs on every rank of :func:`optbook.distributed.launch` (a module-level function: the
+spawned processes import it by name) and counts, at PyTorch's dispatcher
+(:class:`optbook.distributed.wire.CommCounter`), the collectives of one optimizer step:
+
+* :class:`~optbook.distributed.FSDP2Muon` on ``fully_shard``-ed matrices (whole matrices gathered to an
+  owner and scattered back, chapter 14b) and :class:`~optbook.distributed.LayerWiseMuon` on replicated
+  ones (one all-reduce of all gradients, one all-gather of all owned matrices, chapter 14), for a growing
+  number of matrices; each run also compared, bit for bit, with single-process :class:`~optbook.optim.Muon`
+  on the same gradients;
+* :func:`optbook.qk_clip_` after each rank's forwards on its own share of the batch, for a growing number
+  of attention layers: the per-head maxima of every layer reduced by one packed MAX all-reduce, and the
+  clipped weights compared, bit for bit, with the clip of one process that saw the whole batch.
+
+Explained in chapter 14c. Sources: torchtitan pull request #4243 (one packed MAX all-reduce for QK-clip);
+Megatron-LM pull request #6676 (a layer-sharded Muon's NCCL calls per step bucketed down to 4).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["ConvMoENet", "Experts", "chapter14c", "dyadic", "matrix_list", "matrix_shape"]
+
+#: Muon's hyperparameters in every run of :func:`chapter14c` (float64 Newton–Schulz: bitwise comparisons).
+MUON_OPTIONS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, ns_dtype=torch.float64)
+
+
+class Experts(nn.Module):
+    """``E`` expert MLPs ``x + W_out[e] relu(W_in[e] x)`` stored as two stacks, with a top-1 router.
+
+    Args:
+        n_experts, d_model, d_ff: ``E``, the width and the experts' hidden width.
+
+    Parameters: ``w_in`` ``(E, d_ff, d_model)``, ``w_out`` ``(E, d_model, d_ff)`` (one matrix per expert, in
+    ``nn.Linear``'s ``(out, in)`` layout) and ``router.weight`` ``(E, d_model)``. ``forward`` takes
+    ``(T, d_model)`` tokens and sends each to its highest-scoring expert.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int):
+        super().__init__()
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(n_experts, d_ff, d_model) / d_model**0.5)
+        self.w_out = nn.Parameter(torch.randn(n_experts, d_model, d_ff) / d_ff**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.router(x).argmax(-1)                                   # (T,) expert of each token
+        h = torch.einsum("tfd,td->tf", self.w_in[e], x).relu()
+        return x + torch.einsum("tdf,tf->td", self.w_out[e], h)
+
+
+class ConvMoENet(nn.Module):
+    """Chapter 14c's model: ``Conv2d(2, 8, 3)`` -> ReLU -> mean over the pixels -> ``LayerNorm(8)`` ->
+    :class:`Experts` (4 experts of hidden width 6) -> ``Linear(8, 3)``; input ``(B, 2, H, W)``, output
+    ``(B, 3)``. Float32 (``.double()`` for float64)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(2, 8, 3)
+        self.norm = nn.LayerNorm(8)
+        self.moe = Experts(4, 8, 6)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.norm(self.conv(x).relu().mean((-2, -1)))))
+
+
+def dyadic(shape, seed: int) -> torch.Tensor:
+    """A float64 tensor of multiples of ``2**-10`` in ``[-1, 1)``: sums of a few of them, and their halves
+    and quarters, are exact, so a mean over 1, 2 or 4 ranks of equal copies is the value itself."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1024, 1024, tuple(shape), generator=g, dtype=torch.int64).double() / 1024
+
+
+def matrix_shape(i: int) -> tuple[int, int]:
+    """The shape of matrix ``i`` of :func:`matrix_list`: ``(8 + i, 6 + i % 3)``. No two are equal (or
+    transposes): single-process Muon orthogonalises matrices of one shape in one batched call, whose last
+    bits can differ from one call per matrix, so equal shapes would make an owner's unbatched result
+    differ from the single-process one in the last bit. The rows (8 to 23 for 16 matrices) split unevenly
+    over 3 and 4 ranks."""
+    return 8 + i, 6 + i % 3
+
+
+def matrix_list(n: int) -> list[torch.Tensor]:
+    """``n`` float64 matrices of the shapes :func:`matrix_shape`, entries from :func:`dyadic`."""
+    return [dyadic(matrix_shape(i), 100 + i) for i in range(n)]
+
+
+def _grads(n: int, step: int) -> list[torch.Tensor]:
+    return [dyadic(matrix_shape(i), 1000 * step + i) for i in range(n)]
+
+
+def _reference(n: int, steps: int) -> list[torch.Tensor]:
+    from optbook.optim import Muon
+
+    params = [w.clone().requires_grad_() for w in matrix_list(n)]
+    opt = Muon(params, **MUON_OPTIONS)
+    for step in range(steps):
+        for p, g in zip(params, _grads(n, step)):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _count(counter) -> dict:
+    """What one step issued: the names of its calls in order, and the bytes received per collective."""
+    return {"calls": [name for name, _, _ in counter.calls], "bytes": dict(counter.received)}
+
+
+def _fsdp2_steps(n: int, steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from optbook.distributed import FSDP2Muon
+    from optbook.distributed.wire import CommCounter
+
+    holder = nn.Module()
+    holder.w = nn.ParameterList([nn.Parameter(w) for w in matrix_list(n)])
+    fully_shard(holder)                       # every matrix a Shard(0) DTensor
+    params = list(holder.parameters())
+    opt = FSDP2Muon(params, **MUON_OPTIONS)
+    out = {"steps": [], "owners": list(opt.owners),
+           "rows": [p.to_local().shape[0] for p in params]}
+    for step in range(steps):
+        for p, g in zip(params, _grads(n, step)):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        with CommCounter() as counter:
+            opt.step()
+        out["steps"].append(_count(counter))
+    whole = [p.full_tensor() for p in params]
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(whole, _reference(n, steps)))
+    return out
+
+
+def _layerwise_steps(n: int, steps: int) -> dict:
+    from optbook.distributed import LayerWiseMuon
+    from optbook.distributed.wire import CommCounter
+
+    params = [w.clone().requires_grad_() for w in matrix_list(n)]
+    opt = LayerWiseMuon(params, **MUON_OPTIONS)
+    out = {"steps": [], "owners": list(opt.owners)}
+    for step in range(steps):
+        for p, g in zip(params, _grads(n, step)):
+            p.grad = g.clone()                # every rank the same dyadic gradient: the mean is exact
+        with CommCounter() as counter:
+            opt.step()
+        out["steps"].append(_count(counter))
+    out["equal"] = all(torch.equal(p.detach(), r) for p, r in zip(params, _reference(n, steps)))
+    return out
+
+
+def _qk_clip_model(n_layers: int) -> nn.Module:
+    from optbook.models import TinyTransformer, attention_modules
+    from optbook.qk_clip import clipped_blocks
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=16, d_model=16, n_layers=n_layers, n_heads=4,
+                            max_seq_len=8, mlp_ratio=2).double()
+    with torch.no_grad():   # large query and key weights: logits of several units, some heads above tau
+        for attn in attention_modules(model):
+            for weight in clipped_blocks(attn):
+                attn.get_parameter(weight).mul_(20.0)
+    return model
+
+
+def _qk_clip_steps(rank: int, world_size: int, n_layers: int, tau: float) -> dict:
+    from optbook.distributed.wire import CommCounter
+    from optbook.qk_clip import qk_clip_
+
+    reference = _qk_clip_model(n_layers)
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, 16, (2 * world_size, 8), generator=torch.Generator().manual_seed(7))
+    reference(tokens)                        # one process: the whole batch
+    model(tokens.chunk(world_size)[rank])    # this rank: its share of the batch only
+    with CommCounter() as counter:
+        report = qk_clip_(model, tau)
+    # the reference's own all-reduce meets the same maxima on every rank and changes nothing
+    ref_report = qk_clip_(reference, tau)
+    return {**_count(counter), "dtypes": [str(dtype) for _, dtype, _ in counter.calls],
+            "clipped": len(report), "same_report": report == ref_report,
+            "equal": all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))}
+
+
+def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1, 2, 4, 8),
+               steps: int = 2, tau: float = 5.0) -> dict:
+    """Everything chapter 14c counts on ``world_size`` gloo ranks (run it with :func:`launch`).
+
+    Args:
+        counts: numbers of matrices (:func:`matrix_list`) stepped by FSDP2Muon and by LayerWiseMuon.
+        layers: numbers of attention layers (4 heads each) clipped by :func:`optbook.qk_clip_`.
+        steps: optimizer steps per run; each step's collectives are counted alone.
+        tau: QK-clip's threshold.
+
+    Returns:
+        ``{"fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run}}``. A Muon run: ``"steps"`` (per
+        step ``"calls"``, the collective names in order, and ``"bytes"``, received per collective, as
+        :class:`~optbook.distributed.wire.CommCounter` counts them), ``"owners"``, ``"equal"`` (bitwise
+        single-process Muon after the last step) and, for FSDP2, ``"rows"`` (this rank's rows of each
+        matrix). A QK-clip run: ``"calls"``, ``"bytes"``, ``"dtypes"`` (of each call),
+        ``"clipped"`` (heads clipped), ``"same_report"`` and ``"equal"`` (the weights bitwise those of one
+        process that saw the whole batch).
+    """
+    torch.set_num_threads(1)
+    return {"fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
+            "layerwise": {n: _layerwise_steps(n, steps) for n in counts},
+            "qk_clip": {L: _qk_clip_steps(rank, world_size, L, tau) for L in layers}}
