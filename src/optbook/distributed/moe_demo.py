@@ -24,11 +24,12 @@ Megatron-LM pull request #6676 (a layer-sharded Muon's NCCL calls per step bucke
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
 
-__all__ = ["ConvMoENet", "Experts", "chapter14c", "dyadic", "matrix_list", "matrix_shape"]
+__all__ = ["ConvMoENet", "Experts", "chapter14c", "dyadic", "matrix_list", "matrix_shape", "per_matrix_step"]
 
 #: Muon's hyperparameters in every run of :func:`chapter14c` (float64 Newton–Schulz: bitwise comparisons).
 MUON_OPTIONS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, ns_dtype=torch.float64)
@@ -111,6 +112,57 @@ def _reference(n: int, steps: int) -> list[torch.Tensor]:
     return [p.detach() for p in params]
 
 
+def per_matrix_step(params, buffers, owners, *, lr: float, momentum: float, nesterov: bool,
+                    weight_decay: float, ns_dtype: torch.dtype) -> None:
+    """One Muon step over ``fully_shard``-ed matrices, per matrix: section 14b's owner design written out.
+
+    For each matrix ``W`` (a ``DTensor`` sharded by rows, ``Shard(0)`` on a 1-D mesh) with owner
+    ``owners[i]``: the momentum and the step direction on the local rows (:func:`momentum_directions`,
+    element-wise), the direction's rows padded to ``ceil(m / d)`` and gathered to the owner
+    (``torch.distributed.gather``), Muon's update of the whole matrix there
+    (:func:`optbook.optim.muon.orthogonalized_blocks`, the arithmetic of single-process Muon), its rows
+    scattered back (``torch.distributed.scatter``) and ``W_r <- W_r (1 - lr wd) - lr U_r`` on every rank:
+    two collective calls per matrix. Every element sees single-process Muon's operations, so the result is
+    bitwise :class:`optbook.optim.Muon`'s (for matrices of distinct shapes, :func:`matrix_shape`).
+
+    Args:
+        params: 2-D ``DTensor`` parameters with ``.grad`` set, the same list on every rank.
+        buffers: each parameter's momentum on the local rows (plain tensors, updated in place).
+        owners: the rank (of the parameters' mesh) that orthogonalises each parameter.
+        lr, momentum, nesterov, weight_decay, ns_dtype: Muon's hyperparameters.
+    """
+    import torch.distributed as dist
+
+    from optbook.optim._functional import momentum_directions
+    from optbook.optim.muon import orthogonalized_blocks
+
+    for p, buf, owner in zip(params, buffers, owners):
+        group = p.device_mesh.get_group()
+        rank, d = dist.get_rank(group), dist.get_world_size(group)
+        src = dist.get_global_rank(group, owner)
+        w, g = p._local_tensor, p.grad._local_tensor
+        (direction,) = momentum_directions([buf], [g], momentum, nesterov)
+        m, n = p.shape
+        pad = math.ceil(m / d)
+        send = torch.zeros(pad, n, dtype=w.dtype)
+        send[:w.shape[0]] = direction
+        recv = [torch.empty_like(send) for _ in range(d)] if rank == owner else None
+        dist.gather(send, recv, dst=src, group=group)
+        pieces = None
+        if rank == owner:
+            sizes = [c.shape[0] for c in torch.empty(m, 0).chunk(d)]
+            sizes += [0] * (d - len(sizes))
+            whole = torch.cat([r[:k] for r, k in zip(recv, sizes)])
+            (blocks,) = orthogonalized_blocks([whole], ns_dtype=ns_dtype)
+            pieces = [torch.zeros(pad, n, dtype=w.dtype) for _ in range(d)]
+            for piece, rows in zip(pieces, blocks[0].split(sizes)):
+                piece[:rows.shape[0]] = rows
+        mine = torch.empty(pad, n, dtype=w.dtype)
+        dist.scatter(mine, pieces, src=src, group=group)
+        w.mul_(1 - lr * weight_decay)
+        w.sub_(mine[:w.shape[0]], alpha=lr)
+
+
 def _count(counter) -> dict:
     """What one step issued: the names of its calls in order, and the bytes received per collective."""
     return {"calls": [name for name, _, _ in counter.calls], "bytes": dict(counter.received)}
@@ -135,6 +187,32 @@ def _fsdp2_steps(n: int, steps: int) -> dict:
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
         with CommCounter() as counter:
             opt.step()
+        out["steps"].append(_count(counter))
+    whole = [p.full_tensor() for p in params]
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(whole, _reference(n, steps)))
+    return out
+
+
+def _per_matrix_steps(n: int, steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from optbook.distributed import lpt_assign, ns_cost
+    from optbook.distributed.wire import CommCounter
+
+    holder = nn.Module()
+    holder.w = nn.ParameterList([nn.Parameter(w) for w in matrix_list(n)])
+    fully_shard(holder)
+    params = list(holder.parameters())
+    owners = lpt_assign([ns_cost(p.shape) for p in params], params[0].device_mesh.size())
+    buffers = [torch.zeros_like(p._local_tensor) for p in params]
+    hyper = {k: v for k, v in MUON_OPTIONS.items()}
+    out = {"steps": [], "owners": owners}
+    for step in range(steps):
+        for p, g in zip(params, _grads(n, step)):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        with torch.no_grad(), CommCounter() as counter:
+            per_matrix_step(params, buffers, owners, **hyper)
         out["steps"].append(_count(counter))
     whole = [p.full_tensor() for p in params]
     out["equal"] = all(torch.equal(a, b) for a, b in zip(whole, _reference(n, steps)))
@@ -201,7 +279,8 @@ def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1
         tau: QK-clip's threshold.
 
     Returns:
-        ``{"fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run}}``. A Muon run: ``"steps"`` (per
+        ``{"per_matrix": {n: run}, "fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run}}``
+        (``"per_matrix"``: :func:`per_matrix_step` on the same sharded matrices as ``"fsdp2"``). A Muon run: ``"steps"`` (per
         step ``"calls"``, the collective names in order, and ``"bytes"``, received per collective, as
         :class:`~optbook.distributed.wire.CommCounter` counts them), ``"owners"``, ``"equal"`` (bitwise
         single-process Muon after the last step) and, for FSDP2, ``"rows"`` (this rank's rows of each
@@ -210,6 +289,7 @@ def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1
         process that saw the whole batch).
     """
     torch.set_num_threads(1)
-    return {"fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
+    return {"per_matrix": {n: _per_matrix_steps(n, steps) for n in counts},
+            "fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
             "layerwise": {n: _layerwise_steps(n, steps) for n in counts},
             "qk_clip": {L: _qk_clip_steps(rank, world_size, L, tau) for L in layers}}
