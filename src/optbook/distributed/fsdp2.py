@@ -1,26 +1,34 @@
-"""Muon on parameters sharded by PyTorch's FSDP2 (``fully_shard``): whole matrices through owners.
+"""Muon on parameters sharded by PyTorch's FSDP2 (``fully_shard``), on 1-D and 2-D device meshes: whole
+matrices through owners, two all-to-alls per step.
 
-FSDP2 keeps each parameter as a ``DTensor`` sharded by rows (``Shard(0)``, ``torch.chunk`` sizes: possibly
-uneven, possibly empty on the last ranks) and hands the optimizer each rank's rows of the mean gradient.
-Element-wise optimizers step those rows directly (:mod:`optbook.optim`). Muon cannot: Newton–Schulz needs
-the whole matrix (chapter 14). :class:`FSDP2Muon` brings each matrix to one *owner* rank and back, a
-"gather to owners, scatter back" design (microsoft/dion's FSDP2 Muon, ``dion/muon.py`` at commit 0c20549, also
-moves whole matrices, in batches of ``d`` matrices exchanged by all-to-all, each rank orthogonalising one):
+FSDP2 keeps each parameter as a ``DTensor`` and hands the optimizer each rank's part of the mean gradient:
+rows (``Shard(0)``, ``torch.chunk`` sizes: possibly uneven, possibly empty on the last ranks) on a 1-D mesh;
+on a 2-D mesh HSDP's ``(Replicate(), Shard(0))``, tensor parallelism under FSDP2 (``Shard(0)``/``Shard(1)``
+on the TP dimension, with FSDP2's ``_StridedShard`` on the data-parallel one over a row-sharded TP weight),
+or whole experts of a stacked ``(E, M, N)`` weight on an expert-parallel dimension. Element-wise optimizers
+step the local parts directly (:mod:`optbook.optim`). Muon cannot: Newton–Schulz needs the whole matrix
+(chapter 14). :class:`FSDP2Muon` brings each matrix to one *owner* rank and back (microsoft/dion's FSDP2
+Muon, ``dion/muon.py`` at commit 0c20549, also moves whole matrices by all-to-all, in batches of ``d``
+matrices, each rank orthogonalising one):
 
-1. momentum on the local rows (element-wise, exactly Muon's ``lerp``; the buffer is a sharded ``DTensor``,
-   ``1/d`` of Muon's state per rank) and the step direction (Nesterov's look-ahead) on the local rows;
-2. the direction's rows gathered to the matrix's owner (``torch.distributed.gather``, rows padded to the
-   largest shard); owners chosen once by LPT on the Newton–Schulz cost ``max(m, n) min(m, n)^2``
-   (:func:`optbook.distributed.lpt_assign`, chapter 14);
-3. the owner orthogonalises each of its matrices once per step (:func:`optbook.optim.functional.muon`'s own arithmetic:
-   head split, schedule, scale) and scatters each rank its rows of the update
-   (``torch.distributed.scatter``);
-4. every rank applies its rows: ``W_r <- W_r (1 - lr wd) - lr U_r``, Muon's update line.
+1. momentum on the local elements (element-wise, exactly Muon's ``lerp``; the buffer is a ``DTensor`` placed
+   as the parameter) and the step direction (Nesterov's look-ahead) on them;
+2. one ``all_to_all_single`` brings every matrix's elements to its owner, each element sent once (a
+   replicated one by one replica) (:class:`optbook.distributed.mesh_exchange.MeshExchange`: the plan is
+   made once, from each rank's global element indices; owners by LPT on the Newton–Schulz cost
+   ``max(m, n) min(m, n)^2``, chapter 14, a matrix some rank holds whole staying there);
+3. the owner orthogonalises each of its matrices once per step (:func:`optbook.optim.functional.muon`'s
+   own arithmetic: head split, schedule, scale), and one more ``all_to_all_single`` sends every rank its
+   elements of the updates (every replica of them);
+4. every rank applies its elements: ``W_r <- W_r (1 - lr wd) - lr U_r``, Muon's update line.
 
-Every element sees single-process Muon's operations in the same order, so in float64 the result is bitwise
-``optbook.optim.Muon``'s (``tests/test_fsdp2.py`` at 1 to 4 gloo processes). Per matrix of ``m x n``
-elements and step, the two collectives move ``(d - 1)/d`` of the matrix each way (in the parameters'
-dtype), against ``(d - 1)/d`` for FSDP2's own reduce-scatter of the gradient and all-gather of the weights.
+With the agreement on the inputs (one small all-reduce) and, with ``max_grad_norm``, the norm (one more),
+a step is at most 4 collective calls whatever the number of matrices. Every element sees single-process
+Muon's operations in the same order, so the result is bitwise ``optbook.optim.Muon``'s in float64 and
+float32 (``tests/test_fsdp2.py``, ``tests/test_fsdp2_mesh.py`` at 1 to 4 gloo processes). Per step a rank
+receives the elements of its matrices that other ranks hold, and the elements it holds of matrices others
+own (:meth:`FSDP2Muon.predicted_received_bytes`): on a 1-D mesh about ``2 (d - 1)/d`` of a matrix's bytes
+per matrix over the ranks together, as FSDP2's own reduce-scatter and all-gather of it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import torch.distributed as dist
 
 from ..clipping import _reduce_device, clip_coefficient, grad_sumsq
 from ..optim import Muon
+from ..optim.matrix_views import check_matrix_view, matrix_shape, matrix_view_of
+from ..optim.muon import MUON_ROUTE, split_rows
 from ..optim.optimizer import BookOptimizer
 from ..optim._functional import momentum_directions
 from ..optim.optimizer import all_finite
@@ -44,33 +54,36 @@ from ._comm import (
     raise_nonfinite_across,
     validate_locally,
 )
-from .assignment import lpt_assign, ns_cost
+from .mesh_exchange import MeshExchange
+from .wire import all_reduce_received
 
 __all__ = ["FSDP2Muon"]
 
 
-def _row_chunks(rows: int, world_size: int) -> list[int]:
-    """The rows of each rank under ``Shard(0)``: ``torch.chunk``'s sizes, zeros for ranks past the last chunk."""
-    sizes = [c.shape[0] for c in torch.empty(rows, 0).chunk(world_size)]
-    return sizes + [0] * (world_size - len(sizes))
-
-
 class FSDP2Muon(common.MuonWrapper, Muon):
-    """Muon for ``fully_shard``-ed 2-D parameters (``DTensor``, ``Shard(0)`` on a 1-D mesh): each matrix
-    orthogonalised once per step by its owner rank (module docstring).
+    """Muon for ``DTensor`` parameters on 1-D or 2-D device meshes (``fully_shard``, HSDP, TP under FSDP2,
+    expert-parallel stacks): each matrix orthogonalised once per step by its owner rank (module docstring).
 
     Args:
-        params: the 2-D ``DTensor`` parameters FSDP2 made (or param-group dicts of them), the same on every
-            rank of one 1-D device mesh, sharded by rows; float32 or float64 (bfloat16/float16 shards are
-            refused, naming the parameter: no float32 masters are kept here; FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes in bfloat16 over float32 shards).
+        params: the ``DTensor`` parameters (or param-group dicts of them), the same list on every rank:
+            2-D matrices, or with a group's ``matrix_view`` ``"stacked"`` (``(*E, M, N)``: ``prod(E)``
+            matrices, e.g. MoE experts) or ``"flatten"`` (conv kernels), as :class:`optbook.optim.Muon`.
+            Placements ``Shard``, ``_StridedShard`` or ``Replicate`` on each mesh dimension. All on one
+            1-D mesh: the exchange runs over that mesh's group; otherwise (2-D meshes, sub-meshes, several
+            meshes of one job, e.g. dense weights on ``dp`` and experts on ``ep``) over the default group,
+            every rank of which must construct the optimizer. One dtype, float32 or float64
+            (bfloat16/float16 shards are refused, naming the parameter: no float32 masters are kept here;
+            FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes in bfloat16 over float32
+            shards).
         max_grad_norm: clip the gradient by its global norm (all Muon parameters of this optimizer, summed
             over the shards: the norm of the unsharded gradient) before the momentum; ``None``: no clip.
         **muon_defaults: as :class:`optbook.optim.Muon` (``lr``, ``momentum``, ``nesterov``,
             ``weight_decay``, ``ns_steps``, ``ns_dtype``, ``head_split``, ...).
 
     Attributes:
-        owners: ``owners[i]``, the mesh rank that orthogonalises parameter ``i`` (in group order).
+        owners: ``owners[u]``, the rank (of the exchange group) that orthogonalises matrix ``u``: one matrix
+            per 2-D parameter, ``prod(E)`` per stacked one, in group order (:attr:`units` says which).
+        units: ``[(parameter index, matrix index in it, (M, N))]``, one per matrix.
         ns_calls: how many matrices this rank has orthogonalised since construction (every step adds the
             number it owns that had a gradient: Newton–Schulz runs once per matrix per step, whatever the
             gradient accumulation before it).
@@ -83,7 +96,7 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     It is an :class:`optbook.wrapper.OptimizerWrapper` (``MuonWrapper`` of ``optbook.distributed._muon_common``):
     :meth:`step` is the base's template over the phases ``prepare_grads`` (every rank's checks agreed over the
     mesh), ``clip_grads`` (the norm over the shards, with ``max_grad_norm``), ``step_with_ready_grads``
-    (momentum, gather to owners, Newton–Schulz, scatter back, the update of the local rows) and
+    (momentum, one all-to-all to the owners, Newton–Schulz, one all-to-all back, the local update) and
     ``publish_weights`` (nothing: FSDP2 all-gathers the rows in the next forward pass). The base gives
     ``train()``/``eval()`` (no-ops: Muon has no modes), hooks, ``zero_grad(set_to_none=...)``, pickling and
     ``repr``; ``add_param_group`` after construction raises ``NotImplementedError`` (the owners are fixed).
@@ -91,9 +104,11 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     reads and writes them).
 
     Raises:
-        TypeError: a parameter that is not a ``DTensor`` sharded by rows on a 1-D mesh, or parameters on
-            different meshes; what :class:`optbook.optim.Muon` raises (naming the argument).
-        ValueError: ``max_grad_norm`` not a number ``> 0``; a bfloat16 or float16 parameter (named).
+        TypeError: a parameter that is not a ``DTensor``, or one with a ``Partial`` placement (named); what
+            :class:`optbook.optim.Muon` raises (naming the argument).
+        ValueError: ``max_grad_norm`` not a number ``> 0``; a bfloat16 or float16 parameter, or parameters
+            of different dtypes (named); ranks passing different parameters, or a parameter whose mesh
+            lies outside the exchange group (named). Raised at construction, before any state exists.
         optbook.contract.NonFiniteGradientError: :meth:`step`, a gradient shard holds ``inf`` or ``NaN`` on
             any rank (every rank raises, naming the parameter; nothing written).
     """
@@ -105,53 +120,69 @@ class FSDP2Muon(common.MuonWrapper, Muon):
         max_grad_norm = common.check_max_grad_norm(max_grad_norm)
         Muon.__init__(self, params, **muon_defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        mesh = None
         for i, p in enumerate(all_params):
-            placements = tuple(p.placements) if is_dtensor(p) else None
-            if placements is None or p.device_mesh.ndim != 1 or not placements[0].is_shard(0):
-                raise TypeError(f"Invalid params: parameter {i} (shape {tuple(p.shape)}) is "
-                                f"{'a DTensor placed as ' + str(placements) if placements else 'not a DTensor'}; "
-                                "FSDP2Muon steps DTensors sharded by rows (Shard(0)) on a 1-D mesh, as "
-                                "torch.distributed.fsdp.fully_shard makes them (plain tensors: optbook.optim.Muon)")
+            if not is_dtensor(p):
+                raise TypeError(f"Invalid params: parameter {i} (shape {tuple(p.shape)}) is not a DTensor; "
+                                "FSDP2Muon steps DTensors on a device mesh, as torch.distributed.fsdp."
+                                "fully_shard (and tensor or expert parallelism) makes them (plain tensors: "
+                                "optbook.optim.Muon)")
             if p.dtype in LOW_PRECISION:
                 raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is {p.dtype}; FSDP2Muon steps "
                                  "float32 or float64 shards and keeps no float32 masters, so bfloat16 updates "
                                  "below the weights' precision would be lost. Keep float32 sharded parameters and "
                                  "compute in bfloat16 with fully_shard(module, mp_policy=MixedPrecisionPolicy("
                                  "param_dtype=torch.bfloat16)) (torch.distributed.fsdp)")
-            if mesh is None:
-                mesh = p.device_mesh
-            elif p.device_mesh != mesh:
-                raise TypeError(f"Invalid params: parameter {i} is on another device mesh than parameter 0")
-        self.mesh = mesh
-        self.process_group = mesh.get_group() if mesh is not None else None
-        self.world_size = mesh.size() if mesh is not None else 1
-        self.rank = mesh.get_local_rank() if mesh is not None else 0
+            if p.dtype != all_params[0].dtype:
+                raise ValueError(f"Invalid params: {param_name(self.param_groups, i)} is {p.dtype} and parameter 0 "
+                                 f"{all_params[0].dtype}; FSDP2Muon exchanges one dtype (one optimizer per dtype)")
+        meshes = {id(p.device_mesh): p.device_mesh for p in all_params}
+        one = next(iter(meshes.values())) if len(meshes) == 1 else None
+        self.mesh = one if one is not None and one.ndim == 1 else None   # else: the default group
+        self.process_group = self.mesh.get_group() if self.mesh is not None else dist.group.WORLD
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._exchange = MeshExchange(all_params, [matrix_view_of(self.param_groups[gi]) for gi in self._group_of],
+                                      [self.param_groups[gi].get("head_split") for gi in self._group_of],
+                                      self.process_group)
+        self.world_size, self.rank = self._exchange.world_size, self._exchange.rank
         self.max_grad_norm = max_grad_norm
-        self.owners = lpt_assign([ns_cost(tuple(p.shape), g.get("head_split")) for g in self.param_groups
-                                  for p in g["params"]], self.world_size)
+        self.owners, self.units = list(self._exchange.owners), list(self._exchange.units)
+        # the local elements this rank counts in the norm (None: all of them; a replica counts none twice)
+        self._primary = []
+        for i, p in enumerate(all_params):
+            primary = self._exchange.primary(i)
+            self._primary.append(None if primary.numel() == p.to_local().numel() else primary)
         self._params = all_params
         self.ns_calls = 0
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
         self._coefficient: float | None = None   # the clip of this step (clip_grads), for step_with_ready_grads
 
+    def _check_shapes(self, group: dict, params: list) -> None:
+        """:class:`optbook.optim.Muon`'s check of the shapes under the group's ``matrix_view`` (every view
+        is stepped here: the exchange moves whole matrices, whichever tensor holds them)."""
+        view = matrix_view_of(group)
+        check_matrix_view(params, view, "FSDP2Muon", MUON_ROUTE)
+        for p in params:
+            if isinstance(p, torch.Tensor):
+                split_rows(matrix_shape(p.shape, view)[0], group["head_split"])
+
     def _repr_options(self) -> str:
         return f"mesh rank {self.rank} of {self.world_size}, max_grad_norm={self.max_grad_norm}"
 
     def __getstate__(self) -> dict:
-        """The base's (hooks dropped), without the mesh's process group: read from the mesh again when
-        unpickled (a device mesh pickles; a process group does not)."""
-        group, self.process_group = self.process_group, None
+        """The base's (hooks dropped), without the process group: the mesh's (a device mesh pickles; a
+        process group does not) or the default group again when unpickled."""
+        group, self.process_group, self._exchange.group = self.process_group, None, None
         try:
             return super().__getstate__()
         finally:
-            self.process_group = group
+            self.process_group = self._exchange.group = group
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        if "process_group" in state and state["process_group"] is None and self.mesh is not None:
-            self.process_group = self.mesh.get_group()
+        if "process_group" in state and state["process_group"] is None:
+            self.process_group = self.mesh.get_group() if self.mesh is not None else dist.group.WORLD
+            self._exchange.group = self.process_group
 
     # --- checkpoints: optbook.optim.Muon's layout of the sharded state, the base running the hooks ------------
     def check_state_dict(self, state_dict) -> None:
@@ -164,76 +195,24 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     def _load_state_dict(self, state_dict: dict) -> None:
         common.load_plain(self, state_dict)
 
-    def _global_rank(self, mesh_rank: int) -> int:
-        return dist.get_global_rank(self.process_group, mesh_rank)
-
-    def _to_owner(self, rows: torch.Tensor, shape: tuple, owner: int):
-        """Start gathering the row shards of one ``shape`` matrix on ``owner`` (``async_op``: every matrix's
-        gather is in flight before the first is waited on). Returns ``(work, finish)``: after
-        ``work.wait()``, ``finish()`` is the full matrix on ``owner``, ``None`` elsewhere."""
-        sizes = _row_chunks(shape[0], self.world_size)
-        pad = max(sizes)
-        if rows.shape[0] == pad and rows.is_contiguous():
-            send = rows   # (read by the gather, not written, until the wait)
-        else:   # a short or empty last shard: padded (the pad rows are sent but never read)
-            send = rows.new_zeros((pad, shape[1]))
-            send[: rows.shape[0]].copy_(rows)
-        full = recv = None
-        if self.rank == owner:
-            if pad and all(n == pad for n in sizes):   # even shards: received straight into the rows of the matrix
-                full = rows.new_empty(shape)
-                recv = list(full.split(pad))
-            else:
-                recv = [torch.empty_like(send) for _ in sizes]
-        work = dist.gather(send, recv, dst=self._global_rank(owner), group=self.process_group, async_op=True)
-
-        def finish():
-            if self.rank != owner:
-                return None
-            return full if full is not None else torch.cat([r[:n] for r, n in zip(recv, sizes)])
-        return work, finish
-
-    def _from_owner(self, full: torch.Tensor | None, shape: tuple, owner: int, like: torch.Tensor):
-        """Start scattering ``full`` (on ``owner``) back as row shards (``async_op``). Returns ``(work, rows)``:
-        after ``work.wait()``, ``rows`` is this rank's rows of it."""
-        sizes = _row_chunks(shape[0], self.world_size)
-        pad = max(sizes)
-        recv = like.new_empty((pad, shape[1]))
-        chunks = None
-        if self.rank == owner:
-            if pad and full.is_contiguous() and all(n == pad for n in sizes):   # even shards: the rows themselves
-                chunks = list(full.split(pad))
-            else:   # uneven shards (padded; the pad rows are sent but never read) or a transposed view
-                chunks, row = [], 0
-                for n in sizes:
-                    c = full.new_empty((pad, shape[1]))
-                    c[:n].copy_(full[row:row + n])
-                    c[n:].zero_()
-                    chunks.append(c)
-                    row += n
-        work = dist.scatter(recv, chunks, src=self._global_rank(owner), group=self.process_group, async_op=True)
-        return work, recv[: sizes[self.rank]]
-
     def predicted_received_bytes(self, with_grad=None) -> dict:
-        """Bytes this rank receives in one :meth:`step`, by the design: for each matrix ``(m, n)`` of
-        ``b``-byte elements, with ``p = ceil(m / d)`` the rows of the largest shard (the collectives move
-        padded shards), the owner receives ``(d - 1) p n b`` in the gather and every other rank ``p n b`` in
-        the scatter. ``with_grad``: which parameters have a gradient (default: all).
+        """Bytes this rank receives in one :meth:`step`, by the plan: in the two all-to-alls, the elements
+        of the matrices it owns that other ranks send it and the elements it holds of the matrices other
+        ranks own (each times the parameters' bytes per element); in the all-reduces, the agreement's three
+        int32 and, with ``max_grad_norm``, the float64 norm, as a ring all-reduce delivers them
+        (:func:`optbook.distributed.wire.all_reduce_received`). ``with_grad``: which parameters have a
+        gradient (default: all).
 
         Returns:
-            ``{"gather": int, "scatter": int}`` (what :class:`optbook.distributed.wire.CommCounter` counts).
+            ``{"all_to_all": int, "all_reduce": int or Fraction}``: what
+            :class:`optbook.distributed.wire.CommCounter` counts on this rank (zeros at one rank).
         """
+        present = tuple(True if with_grad is None else bool(with_grad[i]) for i in range(len(self._params)))
+        size = self._params[0].element_size() if self._params else 0
         d = self.world_size
-        out = {"gather": 0, "scatter": 0}
-        for i, p in enumerate(self._params):
-            if (with_grad is not None and not with_grad[i]) or d == 1:
-                continue
-            padded = max(_row_chunks(p.shape[0], d)) * p.shape[1] * p.element_size()
-            if self.owners[i] == self.rank:
-                out["gather"] += (d - 1) * padded
-            else:
-                out["scatter"] += padded
-        return out
+        reduced = all_reduce_received(12, d) + (all_reduce_received(8, d) if self.max_grad_norm is not None else 0)
+        return {"all_to_all": self._exchange.received(present, size) if d > 1 and any(present) else 0,
+                "all_reduce": reduced if d > 1 else 0}
 
     def _agree_on_inputs(self) -> None:
         """This rank's checks (hyperparameters, gradients, ``inf``/``NaN`` in its gradient shards; no
@@ -309,15 +288,19 @@ class FSDP2Muon(common.MuonWrapper, Muon):
 
     @torch.no_grad()
     def clip_grads(self) -> float | None:
-        """Phase 2 (a collective with ``max_grad_norm``): the global norm over the shards (kept in
-        :attr:`last_grad_norm` and returned) and the clip coefficient for the next phase; ``None`` without."""
+        """Phase 2 (a collective with ``max_grad_norm``): the global norm over the shards (each element
+        counted once: a replicated one on the rank that sends it to its owner), kept in
+        :attr:`last_grad_norm` and returned, and the clip coefficient for the next phase; ``None`` without."""
         self._coefficient = 1.0
         if self.max_grad_norm is None:
             return None
-        grads = local([p.grad for p in self._params if p.grad is not None])
+        grads = []
+        for p, primary in zip(self._params, self._primary):
+            if p.grad is not None:
+                g = local([p.grad])[0]
+                grads.append(g if primary is None else g.reshape(-1)[primary])
         # no gradient on this rank: a zero on the CPU, or on the current GPU for NCCL (it reduces no CPU tensor)
-        mesh_group = dist.group.WORLD if self.process_group is None else self.process_group
-        sumsq = grad_sumsq(grads, device=_reduce_device(grads, mesh_group))
+        sumsq = grad_sumsq(grads, device=_reduce_device(grads, self.process_group))
         dist.all_reduce(sumsq, group=self.process_group)   # the shards' squares: the unsharded norm
         self.last_grad_norm = float(sumsq.sqrt())
         self._coefficient = clip_coefficient(self.last_grad_norm, self.max_grad_norm)
@@ -325,44 +308,44 @@ class FSDP2Muon(common.MuonWrapper, Muon):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
-        """Phase 3 (a collective): momentum on the local rows, the directions gathered to their owners,
-        Newton–Schulz there, the update scattered back and applied to the local rows."""
+        """Phase 3 (a collective): momentum on the local elements, one all-to-all bringing every matrix to
+        its owner, Newton–Schulz there, one all-to-all bringing each rank its elements of the updates, the
+        update of the local elements."""
         if self._coefficient is None:
             raise RuntimeError("FSDP2Muon: call prepare_grads() and clip_grads() first (nothing written)")
         coefficient, self._coefficient = self._coefficient, None
         groups = [self._read_floats(group) for group in self.param_groups]  # one-element tensors read as floats
-        index = 0
-        for group in groups:
-            entries = []  # (parameter index, parameter, local direction rows)
-            for p in group["params"]:
-                i, index = index, index + 1
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                g = local([p.grad])[0]
-                if coefficient < 1.0:
-                    g = g * coefficient
-                (d,) = momentum_directions(local([state["momentum_buffer"]]), [g], group["momentum"],
-                                           group["nesterov"])
-                entries.append((i, p, d))
-            # every rank takes part in every matrix's gather, in the same order; all are in flight at once
-            gathers = [(i, *self._to_owner(d, tuple(p.shape), self.owners[i])) for i, p, d in entries]
-            full = {}
-            for i, work, finish in gathers:
-                work.wait()
-                gathered = finish()
-                if gathered is not None:
-                    full[i] = gathered
-            mine = sorted(full)
-            updates = dict(zip(mine, common.scaled_orthogonal([full[i] for i in mine], group))) if mine else {}
-            self.ns_calls += len(mine)
-            lr, wd = group["lr"], group["weight_decay"]
-            scatters = [(p, *self._from_owner(updates.get(i), tuple(p.shape), self.owners[i], d))
-                        for i, p, d in entries]
-            for p, work, rows in scatters:
-                work.wait()
-                w = local([p])[0]
-                w.mul_(1 - lr * wd)
-                w.sub_(rows, alpha=lr)
+        present = tuple(p.grad is not None for p in self._params)
+        if not any(present):
+            return
+        directions = []
+        for gi, p in zip(self._group_of, self._params):
+            if p.grad is None:
+                directions.append(None)
+                continue
+            group, state = groups[gi], self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            g = local([p.grad])[0]
+            if coefficient < 1.0:
+                g = g * coefficient
+            (d,) = momentum_directions(local([state["momentum_buffer"]]), [g], group["momentum"],
+                                       group["nesterov"])
+            directions.append(d)
+        full = self._exchange.to_owners(directions, present)       # all-to-all 1: {matrix: whole (M, N)}
+        updates = {}
+        for gi, group in enumerate(groups):   # per group (its options); matrices in the plan's order
+            mine = [u for u in sorted(full) if self._group_of[self.units[u][0]] == gi]
+            if mine:
+                updates.update(zip(mine, common.scaled_orthogonal([full[u] for u in mine],
+                                                                  {**group, "matrix_view": "matrix"})))
+        self.ns_calls += len(full)
+        like = next(d for d in directions if d is not None)
+        received = self._exchange.from_owners(updates, present, like)   # all-to-all 2: this rank's elements
+        for gi, p, u in zip(self._group_of, self._params, received):
+            if u is None:
+                continue
+            lr, wd = groups[gi]["lr"], groups[gi]["weight_decay"]
+            w = local([p])[0]
+            w.mul_(1 - lr * wd)
+            w.sub_(u.view(w.shape), alpha=lr)
