@@ -29,7 +29,11 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ConvMoENet", "Experts", "chapter14c", "dyadic", "matrix_list", "matrix_shape", "per_matrix_step"]
+__all__ = ["ConvMoENet", "Experts", "MESH_LAYOUTS", "chapter14c", "dyadic", "matrix_list", "matrix_shape",
+           "mesh_model", "per_matrix_step", "shard_on_mesh"]
+
+#: The 2-D layouts of :func:`shard_on_mesh` (4 ranks).
+MESH_LAYOUTS = ("hsdp", "tp_fsdp")
 
 #: Muon's hyperparameters in every run of :func:`chapter14c` (float64 Newton–Schulz: bitwise comparisons).
 MUON_OPTIONS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, ns_dtype=torch.float64)
@@ -268,8 +272,100 @@ def _qk_clip_steps(rank: int, world_size: int, n_layers: int, tau: float) -> dic
             "equal": all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))}
 
 
+def mesh_model(weights=None) -> nn.Module:
+    """Section 14c's float64 MLP for 2-D meshes: ``up`` ``Linear(12, 10)``, ``down`` ``Linear(10, 9)`` (no
+    biases) and ``experts``, a stack ``(8, 6, 5)`` of 8 expert matrices; dyadic weights
+    (:func:`dyadic`), or ``weights``, three tensors of those shapes (a model whose weights are a step's
+    gradients is sharded as the model is, which gives each rank its part of every gradient)."""
+    model = nn.Module()
+    model.up = nn.Linear(12, 10, bias=False, dtype=torch.float64)
+    model.down = nn.Linear(10, 9, bias=False, dtype=torch.float64)
+    model.experts = nn.Parameter(torch.zeros(8, 6, 5, dtype=torch.float64))
+    weights = weights or [dyadic((10, 12), 1), dyadic((9, 10), 2), dyadic((8, 6, 5), 3)]
+    with torch.no_grad():
+        for p, w in zip(_mesh_params(model), weights):
+            p.copy_(w)
+    return model
+
+
+def _mesh_params(model: nn.Module) -> list:
+    """``[up.weight, down.weight, experts]``: the order of :func:`mesh_model`'s ``weights``."""
+    return [model.up.weight, model.down.weight, model.experts]
+
+
+def shard_on_mesh(model: nn.Module, layout: str) -> nn.Module:
+    """Shard section 14c's model on 4 ranks (the chapter prints this function's source).
+
+    ``layout="hsdp"``: 2 replicas of 2 shards. ``layout="tp_fsdp"``: 2-way tensor
+    parallelism inside 2-way FSDP. Either way the experts go whole to the ranks of a
+    1-D expert-parallel mesh of 4 (2 experts each). Returns ``model``, sharded.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    ep = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    experts = distribute_tensor(model.experts.detach(), ep, [Shard(0)])
+    model.experts = nn.Parameter(experts)     # expert-local: whole experts per rank
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model.up, mesh=mesh)      # (Replicate(), Shard(0))
+        fully_shard(model.down, mesh=mesh)
+    elif layout == "tp_fsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)   # Shard(0) / Shard(1) on tp
+        fully_shard(model.up, mesh=mesh["dp"])        # then rows on dp
+        fully_shard(model.down, mesh=mesh["dp"])
+    else:
+        raise ValueError(f"Invalid layout: expected one of {MESH_LAYOUTS}, got {layout!r}")
+    return model
+
+
+def _mesh_grads(step: int) -> list[torch.Tensor]:
+    return [dyadic((10, 12), 10 + step), dyadic((9, 10), 20 + step), dyadic((8, 6, 5), 30 + step)]
+
+
+def _mesh_steps(layout: str, steps: int) -> dict:
+    import logging
+
+    from optbook.distributed import FSDP2Muon
+    from optbook.distributed.wire import CommCounter
+    from optbook.optim import Muon
+
+    # full_tensor() of a _StridedShard weight warns that it takes two all-gathers: the check's, not the step's
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    reference = mesh_model()
+    ref_params = _mesh_params(reference)
+    ref_opt = Muon([{"params": ref_params[:2]}, {"params": ref_params[2:], "matrix_view": "stacked"}],
+                   **MUON_OPTIONS)
+    model = shard_on_mesh(mesh_model(), layout)
+    params = _mesh_params(model)
+    opt = FSDP2Muon([{"params": params[:2]}, {"params": params[2:], "matrix_view": "stacked"}],
+                    **MUON_OPTIONS)
+    out = {"placements": [str(tuple(p.placements)) for p in params],
+           "local": [tuple(p.to_local().shape) for p in params],
+           "owners": list(opt.owners), "steps": []}
+    for step in range(steps):
+        grads = _mesh_grads(step)
+        for p, g in zip(ref_params, grads):
+            p.grad = g
+        ref_opt.step()
+        # the step's gradients, sharded exactly as the parameters
+        sharded = _mesh_params(shard_on_mesh(mesh_model(grads), layout))
+        for p, g in zip(params, sharded):
+            p.grad = g.detach()
+        with CommCounter() as counter:
+            opt.step()
+        out["steps"].append(_count(counter))
+    out["equal"] = all(torch.equal(p.full_tensor(), r.detach()) for p, r in zip(params, ref_params))
+    return out
+
+
 def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1, 2, 4, 8),
-               steps: int = 2, tau: float = 5.0) -> dict:
+               steps: int = 2, tau: float = 5.0, meshes: bool = True) -> dict:
     """Everything chapter 14c counts on ``world_size`` gloo ranks (run it with :func:`launch`).
 
     Args:
@@ -277,6 +373,8 @@ def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1
         layers: numbers of attention layers (4 heads each) clipped by :func:`optbook.qk_clip_`.
         steps: optimizer steps per run; each step's collectives are counted alone.
         tau: QK-clip's threshold.
+        meshes: also step :func:`mesh_model` sharded by :func:`shard_on_mesh` in each of
+            :data:`MESH_LAYOUTS` with FSDP2Muon (``world_size`` must then be 4).
 
     Returns:
         ``{"per_matrix": {n: run}, "fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run}}``
@@ -286,10 +384,13 @@ def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1
         single-process Muon after the last step) and, for FSDP2, ``"rows"`` (this rank's rows of each
         matrix). A QK-clip run: ``"calls"``, ``"bytes"``, ``"dtypes"`` (of each call),
         ``"clipped"`` (heads clipped), ``"same_report"`` and ``"equal"`` (the weights bitwise those of one
-        process that saw the whole batch).
+        process that saw the whole batch). A mesh run (``"mesh"``: ``{layout: run}``): ``"placements"``
+        and ``"local"`` (this rank's shape) of each parameter, ``"owners"``, ``"steps"`` and ``"equal"`` as
+        a Muon run (the reference: single-process Muon, the experts in a ``"stacked"`` group).
     """
     torch.set_num_threads(1)
-    return {"per_matrix": {n: _per_matrix_steps(n, steps) for n in counts},
+    out = {"mesh": {layout: _mesh_steps(layout, steps) for layout in MESH_LAYOUTS}} if meshes else {}
+    return out | {"per_matrix": {n: _per_matrix_steps(n, steps) for n in counts},
             "fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
             "layerwise": {n: _layerwise_steps(n, steps) for n in counts},
             "qk_clip": {L: _qk_clip_steps(rank, world_size, L, tau) for L in layers}}
