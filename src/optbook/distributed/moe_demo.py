@@ -8,17 +8,20 @@ an output head; :func:`optbook.optim.muon_param_groups` routes it (``conv="flatt
 spawned processes import it by name) and counts, at PyTorch's dispatcher
 (:class:`optbook.distributed.wire.CommCounter`), the collectives of one optimizer step:
 
-* :class:`~optbook.distributed.FSDP2Muon` on ``fully_shard``-ed matrices (whole matrices gathered to an
-  owner and scattered back, chapter 14b) and :class:`~optbook.distributed.LayerWiseMuon` on replicated
-  ones (one all-reduce of all gradients, one all-gather of all owned matrices, chapter 14), for a growing
-  number of matrices; each run also compared, bit for bit, with single-process :class:`~optbook.optim.Muon`
-  on the same gradients;
+* Muon's owner design on ``fully_shard``-ed matrices three ways, for a growing number of matrices:
+  :func:`per_matrix_step` (a gather to the owner and a scatter back per matrix, section 14b's equation
+  written out), :class:`~optbook.distributed.FSDP2Muon` (one all-to-all each way for all matrices) and
+  :class:`~optbook.distributed.LayerWiseMuon` on replicated matrices (one all-reduce of all gradients, one
+  all-gather of all owned matrices, chapter 14); each run also compared, bit for bit, with single-process
+  :class:`~optbook.optim.Muon` on the same gradients;
 * :func:`optbook.qk_clip_` after each rank's forwards on its own share of the batch, for a growing number
   of attention layers: the per-head maxima of every layer reduced by one packed MAX all-reduce, and the
-  clipped weights compared, bit for bit, with the clip of one process that saw the whole batch.
+  clipped weights compared, bit for bit, with the clip of one process that saw the whole batch;
+* :class:`~optbook.distributed.FSDP2Muon` on 2-D meshes (:func:`shard_on_mesh`: HSDP, tensor parallelism
+  under FSDP2, experts held whole on an expert-parallel mesh), against single-process Muon.
 
 Explained in chapter 14c. Sources: torchtitan pull request #4243 (one packed MAX all-reduce for QK-clip);
-Megatron-LM pull request #6676 (a layer-sharded Muon's NCCL calls per step bucketed down to 4).
+NVIDIA/Megatron-LM issue #6676 (a layer-sharded Muon's NCCL calls per step bucketed down to 4).
 """
 
 from __future__ import annotations
@@ -168,8 +171,10 @@ def per_matrix_step(params, buffers, owners, *, lr: float, momentum: float, nest
 
 
 def _count(counter) -> dict:
-    """What one step issued: the names of its calls in order, and the bytes received per collective."""
-    return {"calls": [name for name, _, _ in counter.calls], "bytes": dict(counter.received)}
+    """What one step issued: the names of its calls in order, the bytes each delivered to this rank, and
+    the bytes received per collective."""
+    return {"calls": [name for name, _, _ in counter.calls],
+            "sizes": [got for _, _, got in counter.calls], "bytes": dict(counter.received)}
 
 
 def _fsdp2_steps(n: int, steps: int) -> dict:
@@ -377,20 +382,27 @@ def chapter14c(rank: int, world_size: int, *, counts=(1, 2, 4, 8, 16), layers=(1
             :data:`MESH_LAYOUTS` with FSDP2Muon (``world_size`` must then be 4).
 
     Returns:
-        ``{"per_matrix": {n: run}, "fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run}}``
-        (``"per_matrix"``: :func:`per_matrix_step` on the same sharded matrices as ``"fsdp2"``). A Muon run: ``"steps"`` (per
-        step ``"calls"``, the collective names in order, and ``"bytes"``, received per collective, as
-        :class:`~optbook.distributed.wire.CommCounter` counts them), ``"owners"``, ``"equal"`` (bitwise
-        single-process Muon after the last step) and, for FSDP2, ``"rows"`` (this rank's rows of each
-        matrix). A QK-clip run: ``"calls"``, ``"bytes"``, ``"dtypes"`` (of each call),
-        ``"clipped"`` (heads clipped), ``"same_report"`` and ``"equal"`` (the weights bitwise those of one
-        process that saw the whole batch). A mesh run (``"mesh"``: ``{layout: run}``): ``"placements"``
-        and ``"local"`` (this rank's shape) of each parameter, ``"owners"``, ``"steps"`` and ``"equal"`` as
-        a Muon run (the reference: single-process Muon, the experts in a ``"stacked"`` group).
+        ``{"per_matrix": {n: run}, "fsdp2": {n: run}, "layerwise": {n: run}, "qk_clip": {L: run},
+        "mesh": {layout: run}}`` (``"per_matrix"``: :func:`per_matrix_step` on the same sharded matrices
+        as ``"fsdp2"``; ``"mesh"`` only with ``meshes``). A Muon run: ``"steps"`` (per step ``"calls"``,
+        the collective names in order, ``"sizes"``, the bytes each call delivered to this rank, and
+        ``"bytes"``, those bytes per collective, as :class:`~optbook.distributed.wire.CommCounter` counts
+        them), ``"owners"``, ``"equal"`` (bitwise single-process Muon after the last step) and, for FSDP2,
+        ``"rows"`` (this rank's rows of each matrix). A QK-clip run: ``"calls"``, ``"sizes"``,
+        ``"bytes"``, ``"dtypes"`` (of each call), ``"clipped"`` (heads clipped), ``"same_report"`` and
+        ``"equal"`` (the weights bitwise those of one process that saw the whole batch). A mesh run:
+        ``"placements"`` and ``"local"`` (this rank's shape) of each parameter, ``"owners"``, ``"steps"``
+        and ``"equal"`` as a Muon run (the reference: single-process Muon, the experts in a ``"stacked"``
+        group).
+
+    Raises:
+        ValueError: ``meshes`` with ``world_size`` other than 4 (raised by ``init_device_mesh``).
     """
     torch.set_num_threads(1)
-    out = {"mesh": {layout: _mesh_steps(layout, steps) for layout in MESH_LAYOUTS}} if meshes else {}
-    return out | {"per_matrix": {n: _per_matrix_steps(n, steps) for n in counts},
-            "fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
-            "layerwise": {n: _layerwise_steps(n, steps) for n in counts},
-            "qk_clip": {L: _qk_clip_steps(rank, world_size, L, tau) for L in layers}}
+    out = {"per_matrix": {n: _per_matrix_steps(n, steps) for n in counts},
+           "fsdp2": {n: _fsdp2_steps(n, steps) for n in counts},
+           "layerwise": {n: _layerwise_steps(n, steps) for n in counts},
+           "qk_clip": {L: _qk_clip_steps(rank, world_size, L, tau) for L in layers}}
+    if meshes:
+        out["mesh"] = {layout: _mesh_steps(layout, steps) for layout in MESH_LAYOUTS}
+    return out
