@@ -752,3 +752,255 @@ def bfloat16_layout_both_ways(rank: int, world_size: int) -> dict:
     equal.append(all(bitwise([p.detach() for p in a], [p.detach() for p in ps]) for ps, _ in runs[1:]))
     return {"keys": ([sorted(e) for e in sd["state"].values()], [sorted(e) for e in msd["state"].values()]),
             "equal": equal}
+
+
+# --- a constant number of collectives per step (tests/test_owner_collectives.py) ---------------------------------
+#: The process groups of :func:`collectives_suite` on 4 processes: world size -> global ranks.
+COLLECTIVE_GROUPS = {2: [1, 3], 4: [0, 1, 2, 3]}
+
+
+def collectives_problem(n_matrices: int, dtypes: tuple, seed: int = 0) -> list[torch.Tensor]:
+    """``n_matrices`` matrices of mixed shapes (rows and columns drawn from 1..24, every 7th with 3 times the
+    rows, so owner loads are uneven; no two with one shape or transposed shapes, so that no owner batches
+    matrices the single-process reference does not), dtypes cycling through ``dtypes``; entries ``k / 64``."""
+    gen = torch.Generator().manual_seed(seed + 1000 * n_matrices)
+    params, seen = [], set()
+    for i in range(n_matrices):
+        while True:   # no two with one shape (or its transpose): no matrices batched together in Newton–Schulz
+            m, n = (int(v) for v in torch.randint(1, 25, (2,), generator=gen))
+            m *= 3 if i % 7 == 3 else 1
+            if (m, n) not in seen and (n, m) not in seen:
+                seen.add((m, n))
+                break
+        params.append((torch.randint(-64, 64, (m, n), generator=gen) / 64).to(dtypes[i % len(dtypes)])
+                      .requires_grad_())
+    return params
+
+
+def collectives_grads(params, step: int, rank: int, world_size: int, seed: int = 0) -> tuple[list, list]:
+    """``(this rank's gradients, their mean)``: float32/float64 matrices get ``G + (rank - (d - 1)/2) D``
+    (dyadic, the mean exactly ``G``); bfloat16 ones the same ``G`` on every rank (exact in bfloat16); the
+    matrix at index 1 has no gradient on any rank."""
+    gen = torch.Generator().manual_seed(7919 * seed + 104729 * step + 13)
+    mine, mean = [], []
+    for i, p in enumerate(params):
+        g = (torch.randint(-128, 128, p.shape, generator=gen) / 256).to(p.dtype)
+        d = (torch.randint(-128, 128, p.shape, generator=gen) / 256).to(p.dtype)
+        if i == 1:
+            g = None
+        mean.append(g)
+        if g is None or p.dtype == torch.bfloat16:
+            mine.append(g)
+        else:
+            mine.append(g + (rank - (world_size - 1) / 2) * d)
+    return mine, mean
+
+
+def collectives_reference(n_matrices: int, dtypes: tuple, steps: int) -> list[torch.Tensor]:
+    """Single process: ``optbook.optim.Muon`` over the float32/float64 matrices and
+    ``MixedPrecisionOptimizer(Muon)`` over the bfloat16 ones, on the mean gradients, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as the ranks: the float64 products of the larger matrices depend on the threads
+    try:
+        return _collectives_reference(n_matrices, dtypes, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _collectives_reference(n_matrices: int, dtypes: tuple, steps: int) -> list[torch.Tensor]:
+    from optbook.optim import Muon
+    from optbook.precision import MixedPrecisionOptimizer
+
+    params = collectives_problem(n_matrices, dtypes)
+    low = [p for p in params if p.dtype == torch.bfloat16]
+    high = [p for p in params if p.dtype != torch.bfloat16]
+    opts = ([Muon(high, **MUON_OPTIONS)] if high else []) + (
+        [MixedPrecisionOptimizer(Muon(low, **MUON_OPTIONS))] if low else [])
+    for t in range(steps):
+        set_grads(params, collectives_grads(params, t, 0, 1)[1])
+        for o in opts:
+            o.step()
+    return [p.detach().clone() for p in params]
+
+
+def _counted_steps(opt, params, steps, rank, world_size) -> list[dict]:
+    """``steps`` steps, each inside its own :class:`~optbook.distributed.wire.CommCounter`: per step
+    ``{"calls": [(name, dtype)], "received": {name: bytes}}``."""
+    from optbook.distributed.wire import CommCounter
+
+    out = []
+    for t in range(steps):
+        set_grads(params, collectives_grads(params, t, rank, world_size)[0])
+        with CommCounter() as counter:
+            opt.step()
+        out.append({"calls": [(name, dtype) for name, dtype, _ in counter.calls], "received": dict(counter.received),
+                    "other_calls": counter.other_calls})
+    return out
+
+
+def collectives_suite(rank: int, world_size: int, *, steps: int = 3) -> dict:
+    """LayerWiseMuon (bfloat16 + float32 + float64 matrices) and DistributedMuon (float32 + float64) on 3 and
+    on 60 matrices, on groups of 2 and 4 of the 4 processes (:data:`COLLECTIVE_GROUPS`), each step counted.
+
+    Returns:
+        ``{size: {(kind, n): {"steps": [counted step], "predicted": opt.step_comm(has_grad), "params",
+        "owners" (LayerWiseMuon) or "buckets" (DistributedMuon: non-empty buckets)} or None}``.
+    """
+    torch.set_num_threads(1)
+    groups = {size: dist.new_group(ranks) for size, ranks in COLLECTIVE_GROUPS.items()}
+    out = {}
+    for size, ranks in COLLECTIVE_GROUPS.items():
+        report = None
+        if rank in ranks:
+            g, r = groups[size], ranks.index(rank)
+            report = {}
+            for kind, dtypes in (("layerwise", (torch.bfloat16, torch.float32, torch.float64)),
+                                 ("moonlight", (torch.float32, torch.float64))):
+                for n in (3, 60):
+                    params = collectives_problem(n, dtypes)
+                    if kind == "layerwise":
+                        opt = LayerWiseMuon(params, process_group=g, **MUON_OPTIONS)
+                    else:
+                        opt = DistributedMuon(params, process_group=g, gather_dtype=torch.float64, **MUON_OPTIONS)
+                    counted = _counted_steps(opt, params, steps, r, size)
+                    has_grad = [i != 1 for i in range(n)]
+                    report[kind, n] = {"steps": counted, "predicted": opt.step_comm(has_grad),
+                                       "params": [p.detach().clone() for p in params],
+                                       "owners": getattr(opt, "owners", None),
+                                       "buckets": None if kind == "layerwise" else
+                                       sum(1 for b in opt.layout.buckets if b.numel)}
+        out[size] = report
+    return out
+
+
+# --- checkpoint layout fingerprints (tests/test_checkpoint_layout.py) -----------------------------------------------
+LAYOUT_KINDS = ("layerwise", "moonlight", "zero1", "chain")
+
+
+def _layout_params(kind: str) -> list[torch.Tensor]:
+    from optbook.distributed.muon_workers import chain_problem
+
+    if kind == "chain":
+        matrices, others = chain_problem()
+        return matrices + others
+    return muon_problem()[0]
+
+
+def _layout_build(kind: str, variant: int, params, group):
+    """``kind``'s optimizer over ``params`` in layout ``variant`` (0 or 1: another assignment or bucketing)."""
+    from optbook.distributed import DistributedChain, DistributedOptimizer
+
+    assignment = "lpt" if variant == 0 else "round_robin"
+    buckets = {"bucket_size": None if variant == 0 else 64, "param_alignment": 1, "bucket_alignment": 4}
+    if kind == "layerwise":
+        return LayerWiseMuon(params, process_group=group, assignment=assignment, **MUON_OPTIONS)
+    if kind == "moonlight":
+        return DistributedMuon(params, process_group=group, gather_dtype=torch.float64, **buckets, **MUON_OPTIONS)
+    if kind == "zero1":
+        return DistributedOptimizer(params, process_group=group, lr=0.01, weight_decay=0.1, **buckets)
+    return DistributedChain(LayerWiseMuon(params[:7], process_group=group, assignment=assignment, **MUON_OPTIONS),
+                            DistributedOptimizer(params[7:], process_group=group, lr=0.01, **buckets))
+
+
+def _layout_grads(params, step: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Dyadic gradients whose mean over the ranks is exact in any order."""
+    gen = torch.Generator().manual_seed(1009 * step + 7)
+    out = []
+    for p in params:
+        g = torch.randint(-512, 512, p.shape, generator=gen) / 256
+        d = torch.randint(-512, 512, p.shape, generator=gen) / 256
+        out.append((g + (rank - (world_size - 1) / 2) * d).to(p.dtype))
+    return out
+
+
+def _layout_steps(opt, params, steps, rank, world_size) -> None:
+    for t in steps:
+        set_grads(params, _layout_grads(params, t, rank, world_size))
+        opt.step()
+
+
+def _layout_snapshot(opt, params) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params] + _state_tensors(opt)
+
+
+def layout_suite(rank: int, world_size: int) -> dict:
+    """For each kind of :data:`LAYOUT_KINDS` on every process: save after 2 steps in layout 0 (``files``, every
+    rank's) and layout 1 (``other``), then load into fresh optimizers.
+
+    Returns:
+        ``{kind: {"fingerprint": this rank's file's "layout" or None, "expected": checkpoint_layout() or None,
+        "other_fingerprint", "own": params after the own file and 2 steps, "uninterrupted": params after
+        4 steps, "resharded": params after layout 1 loaded every layout-0 file and ran 2 steps,
+        "resharded_layout": its next file's layout; "own_other_layout", "two_saves", "tampered",
+        "other_class": ((type, message), nothing changed)}}``.
+    """
+    from optbook.distributed import _comm
+
+    describe = getattr(_comm, "describe_layout", repr)   # (repr: code without fingerprints, to show its failures)
+    torch.set_num_threads(1)
+    out = {}
+    for kind in LAYOUT_KINDS:
+        rep = {}
+        saved = {}
+        for variant in (0, 1):
+            params = _layout_params(kind)
+            opt = _layout_build(kind, variant, params, None)
+            _layout_steps(opt, params, (0, 1), rank, world_size)
+            every = [None] * world_size
+            dist.all_gather_object(every, opt.sharded_state_dict())
+            saved[variant] = (every, [p.detach().clone() for p in params], opt)
+            if variant == 0:
+                rep["expected"] = getattr(opt, "checkpoint_layout", lambda: None)()
+                _layout_steps(opt, params, (2, 3), rank, world_size)
+                rep["uninterrupted"] = [p.detach().clone() for p in params]
+            else:
+                rep["expected_other"] = getattr(opt, "checkpoint_layout", lambda: None)()
+        files, weights, _ = saved[0]
+        other, _, _ = saved[1]
+        rep["fingerprint"] = files[rank].get("layout")
+        rep["other_fingerprint"] = other[rank].get("layout")
+        rep["describe"] = {v: describe(rep["expected" if v == 0 else "expected_other"]) for v in (0, 1)}
+
+        def fresh(variant, kind=kind, weights=weights):
+            ps = [w.clone().requires_grad_() for w in weights]
+            return ps, _layout_build(kind, variant, ps, None)
+
+        def attempt(variant, shards):
+            ps, loader = fresh(variant)
+            before = _layout_snapshot(loader, ps)
+            err = _error(lambda: loader.load_sharded_state_dict(shards))
+            return err, bitwise(before, _layout_snapshot(loader, ps))
+
+        rep["own_other_layout"] = attempt(1, files[rank])
+        rep["two_saves"] = attempt(0, [files[0], other[1]] + files[2:])
+        tampered = [copy.deepcopy(sd) for sd in files]
+        _tamper(kind, tampered)
+        rep["tampered"] = attempt(0, tampered)
+        foreign = "moonlight" if kind == "layerwise" else "layerwise"
+        fps = _layout_params(foreign)
+        fopt = _layout_build(foreign, 0, fps, None)
+        rep["other_class"] = attempt(0, fopt.sharded_state_dict() if kind != "chain" else
+                                     {"muon": fopt.sharded_state_dict(), "adamw": {}, "rank": rank,
+                                      "layout": fopt.sharded_state_dict().get("layout")})
+        for case, variant, shards in (("own", 0, files[rank]), ("resharded", 1, files)):
+            ps, loader = fresh(variant)
+            loader.load_sharded_state_dict(shards)
+            _layout_steps(loader, ps, (2, 3), rank, world_size)
+            rep[case] = [p.detach().clone() for p in ps]
+            if case == "resharded":
+                rep["resharded_layout"] = loader.sharded_state_dict().get("layout")
+        out[kind] = rep
+    return out
+
+
+def _tamper(kind: str, files: list) -> None:
+    """Make rank 1's file hold what its recorded layout gives rank 0 (a file edited or mixed by hand)."""
+    sd = files[1]["muon"] if kind == "chain" else files[1]
+    src = files[0]["muon"] if kind == "chain" else files[0]
+    if kind in ("layerwise", "chain"):
+        i = next(iter(src["state"]))
+        sd["state"][i] = src["state"][i]
+    elif kind == "moonlight":
+        sd["momentum"] = sd["momentum"] + src["momentum"][:1]
+    else:
+        sd["pieces"] = sd["pieces"] + src["pieces"][:1]

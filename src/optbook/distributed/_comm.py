@@ -1,13 +1,16 @@
 """What every distributed optimizer of :mod:`optbook.distributed` shares about its process group: the group
 and rank mapping, the collective-call names, the check that every rank passed the same parameters, the one
 way to agree on an outcome before anything is written (:func:`agree`), and the one way to find and name a
-non-finite gradient across the ranks (:func:`first_nonfinite`, :func:`raise_nonfinite_across`).
+non-finite gradient across the ranks (:func:`first_nonfinite`, :func:`raise_nonfinite_across`), and the one
+layout fingerprint every sharded checkpoint records (:func:`layout_fingerprint`, :func:`check_layout`).
 
 Private to :mod:`optbook.distributed`; the names here are its internal interface (ZeRO-1, the Muon wrappers
 and the chain import them, none imports another's private names).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from .._checks import LOW_PRECISION, check_int
 from ..optim.optimizer import all_finite, nonfinite_checked_by_caller
 
 __all__ = ["LOW_PRECISION", "agree", "all_gather", "check_int", "check_same_params", "consolidated_here",
-           "first_nonfinite", "global_rank", "group_info", "group_position", "param_name", "params_difference",
+           "check_layout", "check_one_save", "describe_layout", "first_nonfinite", "global_rank", "layout_fingerprint", "group_info", "group_position", "param_name", "params_difference",
            "raise_nonfinite_across", "reduce_scatter", "validate_locally", "validate_on_every_rank"]
 
 # torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
@@ -186,3 +189,114 @@ def consolidated_here(who: str, consolidated: tuple, rank: int) -> dict:
         raise RuntimeError(f"{who}.state_dict: the state was consolidated on rank {to}, this is rank {rank}; call "
                            f"state_dict() on rank {to}, or consolidate_state_dict(to={rank}) on every rank first")
     return state_dict
+
+
+# --- checkpoint layout fingerprints ----------------------------------------------------------------------------
+_LAYOUT_KEYS = ("class", "world_size", "mesh", "params", "owners", "buckets", "pieces", "parts")
+
+
+def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None) -> dict:
+    """The layout of ``opt``'s sharded checkpoint files, which every ``sharded_state_dict`` records under
+    ``"layout"`` (LayerWiseMuon, DistributedMuon, ZeRO-1's DistributedOptimizer, DistributedChain) and every
+    ``load_sharded_state_dict`` compares (:func:`check_layout`).
+
+    Args:
+        opt: the optimizer: its class name, ``world_size``, ``_params``, and ``owners`` (whole-matrix
+            owners) or ``layout`` (a ZeRO-1 :class:`~optbook.distributed.zero1.Layout`) when it has them.
+        parts: ``{name: fingerprint}`` of the members of a composite (DistributedChain), else ``None``.
+        name: the class name to record (default ``type(opt).__name__``).
+
+    Returns:
+        ``{"class": str, "world_size": int, "mesh": (world_size,) (the process group's shape: 1-D here),
+        "params": [(shape, dtype name)] in param-group order, "owners": [rank per parameter] or None,
+        "buckets": [(dtype name, start, numel, shard numel)] or None, "pieces": [[(index, param_start,
+        param_end)] of each rank] or None, "parts": dict or None, "digest": 16 hex digits (SHA-256 of the
+        rest)}``: plain Python values (``torch.save``/``torch.load(weights_only=True)`` round-trip them).
+    """
+    layout = getattr(opt, "layout", None)
+    fp = {"class": name or type(opt).__name__, "world_size": int(opt.world_size), "mesh": (int(opt.world_size),),
+          "params": [(tuple(p.shape), str(p.dtype)) for p in opt._params],
+          "owners": list(opt.owners) if getattr(opt, "owners", None) is not None else None,
+          "buckets": None if layout is None else [(str(b.dtype), b.start, b.numel, b.shard_numel)
+                                                  for b in layout.buckets],
+          "pieces": None if layout is None else [[(q.index, q.param_start, q.param_end) for q in layout.pieces(r)]
+                                                 for r in range(layout.world_size)],
+          "parts": parts}
+    fp["digest"] = hashlib.sha256(repr([fp[k] for k in _LAYOUT_KEYS]).encode()).hexdigest()[:16]
+    return fp
+
+
+def _short(values: list, n: int = 16) -> str:
+    return str(values) if len(values) <= n else f"{str(values[:n])[:-1]}, ... ({len(values)} in all)]"
+
+
+def describe_layout(fp: dict) -> str:
+    """One line naming a :func:`layout_fingerprint`: class, world size, mesh, parameters and dtypes, owners or
+    buckets and pieces per rank (members of a composite), digest."""
+    if not isinstance(fp, dict) or not set(_LAYOUT_KEYS) <= set(fp):
+        return f"no layout fingerprint ({type(fp).__name__})"
+    dtypes = sorted({dtype.replace("torch.", "") for _, dtype in fp["params"]})
+    text = (f"{fp['class']} at world size {fp['world_size']} (mesh {tuple(fp['mesh'])}), "
+            f"{len(fp['params'])} parameters ({', '.join(dtypes) or 'none'})")
+    if fp["owners"] is not None:
+        text += f", owners {_short(fp['owners'])}"
+    if fp["buckets"] is not None:
+        buckets = [f"{d.replace('torch.', '')} {start}+{n}" for d, start, n, _ in fp["buckets"]]
+        text += f", buckets {_short(buckets, 6)}, pieces per rank {_short([len(p) for p in fp['pieces']])}"
+    if fp["parts"]:
+        text += "; " + "; ".join(f"{k}: {describe_layout(v)}" for k, v in fp["parts"].items())
+    return text + f", digest {fp['digest']}"
+
+
+def check_layout(saved, mine: dict, who: str, *, own_file: bool, where: str = "the file") -> None:
+    """Refuse a sharded checkpoint whose layout fingerprint cannot load into this optimizer, before anything
+    is written. Loads: the same layout (this rank's own file); any layout of the same class over the same
+    parameters when every rank's file is given (``own_file=False``: resharding, which the loaders define for
+    another world size, other owners, other buckets). Errors name both layouts (:func:`describe_layout`).
+
+    Args:
+        saved: the file's ``"layout"`` entry; ``mine``: :func:`layout_fingerprint` of the loading optimizer;
+        who: the class name for messages; own_file: one file (this rank's) rather than every rank's;
+        where: how the message names the file (``"file 2"``).
+
+    Raises:
+        ValueError: not a fingerprint; another class; other parameter shapes or dtypes; with ``own_file``,
+            another layout (the message says to pass the list of every rank's files).
+    """
+    both = f"{where}'s layout: {describe_layout(saved)}; this optimizer's layout: {describe_layout(mine)}"
+    if not isinstance(saved, dict) or not set(_LAYOUT_KEYS) | {"digest"} <= set(saved):
+        raise ValueError(f"Invalid shards: {where} records no layout fingerprint; {both}")
+    if saved["class"] != mine["class"]:
+        raise ValueError(f"Invalid shards: {where} was saved by a {saved['class']}, this is a {who}; {both}")
+    difference = params_difference([mine["params"], [(tuple(s), d) for s, d in saved["params"]]])
+    if difference is not None:
+        where_ = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", f"in {where}")
+        raise ValueError(f"Invalid shards: {where} was saved for other parameters (a checkpoint of another "
+                         f"model?): {where_}; {both}")
+    if own_file and saved["digest"] != mine["digest"]:
+        raise ValueError(f"Invalid shards: {where} was saved with another layout; to reshard, pass the list of "
+                         f"all {saved['world_size']} files of that save; {both}")
+
+
+def check_one_save(files: list, who: str) -> dict:
+    """The layout fingerprint the files of one save share (every file records the same); files without one
+    (saved before fingerprints) give ``None``.
+
+    Raises:
+        ValueError: some files have one and some not, or two files record different layouts (files of two
+            saves), naming both layouts; ranks that are not ``0 .. W - 1`` of the layout's world size.
+    """
+    layouts = [sd.get("layout") for sd in files]
+    if all(fp is None for fp in layouts):
+        return None
+    first = next(k for k, fp in enumerate(layouts) if isinstance(fp, dict))
+    for k, fp in enumerate(layouts):
+        if not isinstance(fp, dict) or fp.get("digest") != layouts[first].get("digest"):
+            raise ValueError(f"Invalid shards: files {first} and {k} are not of one save: file {first}'s layout: "
+                             f"{describe_layout(layouts[first])}; file {k}'s layout: {describe_layout(fp)}")
+    size = layouts[first]["world_size"]
+    ranks = sorted(sd.get("rank") for sd in files)
+    if ranks != list(range(size)):
+        raise ValueError(f"Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W, "
+                         f"got ranks {ranks} saved at world sizes [{size}] ({who})")
+    return layouts[first]

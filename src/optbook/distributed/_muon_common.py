@@ -23,7 +23,17 @@ from ..optim.muon import orthogonalized_blocks
 from .._checks import check_int, check_number
 from ..optim.optimizer import BookOptimizer, check_hyperparameters
 from ..wrapper import OptimizerWrapper
-from ._comm import check_same_params, consolidated_here, global_rank, param_name, params_difference
+from ._comm import (
+    check_layout,
+    check_one_save,
+    check_same_params,
+    consolidated_here,
+    describe_layout,
+    global_rank,
+    layout_fingerprint,
+    param_name,
+    params_difference,
+)
 
 __all__ = ["MUON_KEYS", "AgreedState", "ConsolidatingMuon", "MuonWrapper", "check_max_grad_norm", "check_muon_state_dict",
            "consolidate", "hyper",
@@ -177,6 +187,11 @@ class ConsolidatingMuon(MuonWrapper):
     @state.setter
     def state(self, value) -> None:
         self.__dict__["state"] = AgreedState(dict, value)
+
+    def checkpoint_layout(self) -> dict:
+        """The layout fingerprint :meth:`sharded_state_dict` records under ``"layout"`` and
+        :meth:`load_sharded_state_dict` compares (:func:`optbook.distributed._comm.layout_fingerprint`)."""
+        return layout_fingerprint(self)
 
     def _local_checkpoint(self):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -335,33 +350,53 @@ def consolidate(opt, local, to):
 def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
     """Check sharded checkpoint files for ``opt`` without loading anything; return them as a list.
 
+    Files that record a layout fingerprint (``"layout"``, :func:`optbook.distributed._comm.layout_fingerprint`)
+    are judged by it (:func:`~optbook.distributed._comm.check_layout`): this rank's own file loads when its
+    layout is this optimizer's and it is this rank's; the list of every rank's files of one save loads at any
+    layout of the same class and parameters (resharding); every file's own entries must agree with the layout
+    it records. Files saved before fingerprints are judged by ``layout_key`` as before.
+
     Args:
         shards: this rank's own dict, or the list of every rank's dicts of one save (any world size).
         opt: the LayerWiseMuon or DistributedMuon loading them (its ``_params``, ``rank``, ``world_size``).
         fmt: the ``"format"`` entry the files must have.
         layout_key, layout: the entry saying which part of the state a file holds (``"owners"`` of
-            LayerWiseMuon, ``"pieces"`` ranges of DistributedMuon) and this rank's value of it: an own file
-            must match it (same world size, rank and layout), else the list of all files is needed.
+            LayerWiseMuon, ``"pieces"`` ranges of DistributedMuon) and this rank's value of it.
 
     Raises:
-        TypeError: not dicts of format ``fmt``.
-        ValueError: a file saved for other parameter shapes or dtypes (naming the first that differs); an own
-            file of another rank, world size or layout (saying to pass the list); a list that is not ranks
-            ``0 .. W - 1`` of one save.
+        TypeError: not dicts of format ``fmt`` (and recording no layout of another class).
+        ValueError: a file of another class, parameters or (own file) layout, naming both layouts; files of
+            two saves; a file whose entries disagree with its layout; an own file of another rank (saying to
+            pass the list); a list that is not ranks ``0 .. W - 1`` of one save.
     """
     who = type(opt).__name__
     parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+    mine = layout_fingerprint(opt)
+    own = isinstance(shards, dict)
+    for k, sd in enumerate(parts):   # another class's file that says what it is: name both layouts
+        if isinstance(sd, dict) and sd.get("format") != fmt and isinstance(sd.get("layout"), dict):
+            check_layout(sd["layout"], mine, who, own_file=own, where="the file" if own else f"file {k}")
     if not parts or any(not isinstance(sd, dict) or sd.get("format") != fmt for sd in parts):
         raise TypeError(f"Invalid shards: expected this rank's dict from {who}.sharded_state_dict() (format "
                         f"{fmt!r}) or a list of every rank's")
-    mine = [(tuple(p.shape), str(p.dtype)) for p in opt._params]
+    saved = parts[0].get("layout") if own else check_one_save(parts, who)
+    if saved is not None:
+        check_layout(saved, mine, who, own_file=own, where="the file" if own else "the files")
+        if own and shards["rank"] != opt.rank:
+            raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of {saved['world_size']}, "
+                             f"this is rank {opt.rank}; to reshard, pass the list of every rank's file of that save; "
+                             f"the file's layout: {describe_layout(saved)}")
+        for sd in parts:
+            _agrees_with_layout(sd, saved, layout_key)
+        return parts
+    mine_params = mine["params"]
     for k, sd in enumerate(parts):
-        difference = params_difference([mine, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+        difference = params_difference([mine_params, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
         if difference is not None:
             where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
             raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
                              f"model?): {where}")
-    if isinstance(shards, dict):
+    if own:
         if (shards["world_size"], shards["rank"], shards[layout_key]) != (opt.world_size, opt.rank, layout):
             raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
                              f"{shards['world_size']} (or with another {layout_key}), this is rank {opt.rank} of "
@@ -371,6 +406,29 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
         if sorted(sd["rank"] for sd in parts) != list(range(size)) or any(sd["world_size"] != size for sd in parts):
             raise ValueError("Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W")
     return parts
+
+
+def _agrees_with_layout(sd: dict, saved: dict, layout_key: str) -> None:
+    """A LayerWiseMuon file holds only the matrices its rank owns; a DistributedMuon file the pieces of its
+    rank, as the layout it records says.
+
+    Raises:
+        ValueError: naming the file's rank, the entry and the layout."""
+    rank = sd["rank"]
+    if layout_key == "owners":
+        bad = sorted(i for i in [*sd["state"], *sd.get("master_params", {})]
+                     if not (isinstance(i, int) and 0 <= i < len(saved["owners"]) and saved["owners"][i] == rank))
+        ok = list(sd["owners"]) == list(saved["owners"]) and sd["world_size"] == saved["world_size"]
+        what = f"state for parameters {bad} that rank {rank} does not own"
+    else:
+        pieces = [tuple(q) for q in saved["pieces"][rank]] if 0 <= rank < len(saved["pieces"]) else []
+        bad = sorted(tuple(m[:3]) for m in sd["momentum"] if tuple(m[:3]) not in pieces)
+        ok = [tuple(q) for q in sd["pieces"]] == pieces and sd["world_size"] == saved["world_size"]
+        what = f"momentum pieces {bad} that are not rank {rank}'s"
+    if bad or not ok:
+        raise ValueError(f"Invalid shards: the file of rank {rank} holds "
+                         + (what if bad else f"{layout_key} other than the layout it records")
+                         + f"; its layout: {describe_layout(saved)}")
 
 
 def scaled_orthogonal(directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..masters import MASTER_KEY
-from ._comm import LOW_PRECISION, check_int, consolidated_here
+from ._comm import LOW_PRECISION, check_int, check_layout, check_one_save, consolidated_here, describe_layout
+from ._comm import layout_fingerprint
 
 __all__ = ["SHARDED_FORMAT", "Zero1Checkpoints"]
 
@@ -365,14 +366,21 @@ class Zero1Checkpoints:
             float32 master (``None`` for a float32/float64 parameter, which is its own master). Tensors are
             CPU copies; only plain types, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip
             it. Padding is not stored. The model's parameters are not included: save them separately (they
-            are the same on every rank, e.g. ``model.state_dict()`` on rank 0).
+            are the same on every rank, e.g. ``model.state_dict()`` on rank 0). ``"layout"``:
+            :meth:`checkpoint_layout`, which :meth:`load_sharded_state_dict` compares.
         """
         groups = indexed_param_groups(self.param_groups)
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "layout": self.checkpoint_layout(),
                 "params": [(tuple(r.shape), str(r.dtype)) for r in self.layout.params],
                 "pieces": self._local_pieces(), "param_groups": groups,
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
                 "skipped_steps": self.skipped_steps}
+
+    def checkpoint_layout(self) -> dict:
+        """The layout fingerprint of this optimizer's sharded files (:func:`optbook.distributed._comm.
+        layout_fingerprint`: class, world size, mesh, parameters, buckets, every rank's pieces, digest)."""
+        return layout_fingerprint(self)
 
     def load_sharded_state_dict(self, shards) -> None:
         """Load sharded checkpoints from :meth:`sharded_state_dict`. Not a collective.
@@ -388,32 +396,55 @@ class Zero1Checkpoints:
         :meth:`load_state_dict`); with one dict only this rank's masters are restored and the model
         parameters must come from the model checkpoint (they are the rounded masters).
 
+        Files that record a layout fingerprint (``"layout"``, :meth:`checkpoint_layout`) are judged by it
+        (:func:`optbook.distributed._comm.check_layout`): every message names both layouts, the file's and
+        this optimizer's; a list must hold files of one save (one layout), each holding its rank's pieces.
+
         Raises:
             TypeError: ``shards`` is neither a dict nor a list/tuple of dicts of this format.
-            ValueError: one dict saved at another world size, or by another rank, or with other pieces
-                (another ``bucket_size`` or alignment) -- the message names both sides and says to pass all
-                files to reshard; a list that is not exactly ranks ``0 .. W - 1`` of one save at world size
+            ValueError: a file of another optimizer class that records its layout; one dict saved at another
+                world size, or by another rank, or with other pieces (another ``bucket_size`` or alignment)
+                -- the message names both sides and says to pass all files to reshard; files of two saves
+                (two layouts); a list that is not exactly ranks ``0 .. W - 1`` of one save at world size
                 ``W``; parameters of other shapes or dtypes (naming the first); what
                 :meth:`load_state_dict` raises. All before anything is loaded.
         """
+        mine = self.checkpoint_layout()
+        for k, sd in enumerate([shards] if isinstance(shards, dict) else shards if isinstance(shards, (list, tuple))
+                               else []):   # another class's file that records its layout: name both
+            if isinstance(sd, dict) and sd.get("format") != SHARDED_FORMAT and isinstance(sd.get("layout"), dict):
+                check_layout(sd["layout"], mine, "DistributedOptimizer", own_file=False, where=f"file {k}")
         if isinstance(shards, dict):
             self._check_sharded(shards, "shards")
             own = [(p.index, p.param_start, p.param_end) for p in self.pieces]
             saved = [tuple(p[:3]) for p in shards["pieces"]]
+            layout = shards.get("layout")
+            if layout is not None:
+                check_layout(layout, mine, "DistributedOptimizer", own_file=False)
             if shards["world_size"] != self.world_size or shards["rank"] != self.rank or saved != own:
                 what = (f"world size {shards['world_size']}, this group has {self.world_size}"
                         if shards["world_size"] != self.world_size else
                         f"rank {shards['rank']}, this is rank {self.rank}" if shards["rank"] != self.rank
                         else "other pieces (another bucket_size or alignment)")
+                both = ("" if layout is None else f"; the file's layout: {describe_layout(layout)}; this "
+                        f"optimizer's layout: {describe_layout(mine)}")
                 raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
                                  f"{shards['world_size']}: {what}; to reshard, pass the list of all "
-                                 f"{shards['world_size']} files of that save")
+                                 f"{shards['world_size']} files of that save{both}")
+            if layout is not None:
+                check_layout(layout, mine, "DistributedOptimizer", own_file=True)
+                self._agrees_with_layout(shards, layout)
             consolidated = self._assemble([shards["pieces"]])
             whole = False
             meta = shards
         elif isinstance(shards, (list, tuple)) and shards:
             for k, sd in enumerate(shards):
                 self._check_sharded(sd, f"shards[{k}]")
+            layout = check_one_save(list(shards), "DistributedOptimizer")
+            if layout is not None:
+                check_layout(layout, mine, "DistributedOptimizer", own_file=False, where="the files")
+                for sd in shards:
+                    self._agrees_with_layout(sd, layout)
             sizes = sorted({sd["world_size"] for sd in shards})
             ranks = sorted(sd["rank"] for sd in shards)
             if len(sizes) != 1 or ranks != list(range(sizes[0])):
@@ -439,6 +470,18 @@ class Zero1Checkpoints:
             for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
                 if master is not None:
                     target.copy_(master)
+
+    @staticmethod
+    def _agrees_with_layout(sd: dict, layout: dict) -> None:
+        """A file holds exactly the pieces of its rank that the layout it records gives that rank.
+
+        Raises:
+            ValueError: naming the rank and the layout."""
+        rank = sd["rank"]
+        expected = [tuple(q) for q in layout["pieces"][rank]] if 0 <= rank < len(layout["pieces"]) else None
+        if [tuple(p[:3]) for p in sd["pieces"]] != expected or sd["world_size"] != layout["world_size"]:
+            raise ValueError(f"Invalid shards: the file of rank {rank} holds pieces other than the layout it "
+                             f"records gives rank {rank}; its layout: {describe_layout(layout)}")
 
     def _check_sharded(self, sd, name: str) -> None:
         if not isinstance(sd, dict) or sd.get("format") != SHARDED_FORMAT:

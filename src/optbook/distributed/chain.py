@@ -8,11 +8,12 @@ section 3.2; Megatron-LM's ``ChainedOptimizer`` clips with one norm over every m
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from ..clipping import clip_coefficient
 from ..contract import NonFiniteGradientError
 from ..wrapper import OptimizerWrapper
-from ._comm import check_int
+from ._comm import check_int, check_layout, check_one_save, layout_fingerprint
 from ._muon_common import AgreedState, check_max_grad_norm
 from .fsdp2 import FSDP2Muon
 from .layerwise_muon import LayerWiseMuon
@@ -266,10 +267,17 @@ class DistributedChain(OptimizerWrapper):
 
         Returns:
             ``{"muon": LayerWiseMuon.sharded_state_dict(), "adamw": DistributedOptimizer.sharded_state_dict(),
-            "skipped_steps": int}``.
+            "skipped_steps": int, "rank": int, "layout": :meth:`checkpoint_layout`}``.
         """
         return {"muon": self.muon.sharded_state_dict(), "adamw": self.adamw.sharded_state_dict(),
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "rank": self.muon.rank, "layout": self.checkpoint_layout()}
+
+    def checkpoint_layout(self) -> dict:
+        """The layout fingerprint of this chain's sharded files (:func:`optbook.distributed._comm.
+        layout_fingerprint`): both members' fingerprints under ``"parts"``, world size and parameters."""
+        shape = SimpleNamespace(world_size=self.muon.world_size, _params=self.muon._params + self.adamw._params)
+        return layout_fingerprint(shape, parts={"muon": self.muon.checkpoint_layout(),
+                                                "adamw": self.adamw.checkpoint_layout()}, name="DistributedChain")
 
     def load_sharded_state_dict(self, shards) -> None:
         """Load :meth:`sharded_state_dict` files: this rank's own dict, or the list of every rank's dicts of
@@ -285,9 +293,15 @@ class DistributedChain(OptimizerWrapper):
         if not parts or any(not isinstance(sd, dict) or not {"muon", "adamw"} <= set(sd) for sd in parts):
             raise TypeError("Invalid shards: expected this rank's dict from DistributedChain.sharded_state_dict() "
                             "or a list of every rank's")
+        layouts = [sd.get("layout") for sd in parts]
+        if any(fp is not None for fp in layouts):   # judged by the chain's fingerprint, then each member's
+            saved = layouts[0] if isinstance(shards, dict) else check_one_save(parts, "DistributedChain")
+            check_layout(saved, self.checkpoint_layout(), "DistributedChain", own_file=isinstance(shards, dict),
+                         where="the file" if isinstance(shards, dict) else "the files")
         pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
         skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
         self.muon.check_sharded_state_dict(pick("muon"))
         self.adamw.load_sharded_state_dict(pick("adamw"))
         self.muon.load_sharded_state_dict(pick("muon"))
         self.skipped_steps = skipped
+

@@ -31,6 +31,7 @@ from ..optim.optimizer import all_finite
 from . import _muon_common as common
 from ._comm import LOW_PRECISION, all_gather, first_nonfinite, group_info, raise_nonfinite_across, reduce_scatter
 from ._comm import validate_on_every_rank
+from .wire import all_reduce_received
 from .zero1 import shard_layout
 
 __all__ = ["DistributedMuon", "GATHERS", "received_bytes", "touched_ranges", "zero1_comm_bytes"]
@@ -57,7 +58,8 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
         bucket_size, param_alignment, bucket_alignment: the ZeRO-1 layout, :func:`optbook.distributed.shard_layout`.
         **muon_defaults: as :class:`optbook.optim.Muon`.
 
-    One step, per bucket of the layout (a collective)::
+    One step, per bucket of the layout (a collective; ``2 + 3 B`` calls for ``B`` non-empty buckets, whatever
+    the number of matrices: :meth:`step_comm`)::
 
         all_reduce([failing rank + 1, has_grad...], MAX)       every rank raises together on bad input
         g_r = reduce_scatter(flat gradients, SUM) / d            this rank's element shard of the mean
@@ -205,6 +207,37 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
         weights.mul_(factor)
         param.copy_(weights)
         self._versions.record([param])
+
+    def step_comm(self, has_grad=None) -> dict:
+        """One :meth:`step`'s collectives, in order, and the bytes this rank receives in them, as a formula
+        (:func:`received_bytes` plus the two float64 control all-reduces), what
+        :class:`optbook.distributed.wire.CommCounter` counts around a step. With ``B`` non-empty buckets the
+        step issues ``2 + 3 B`` calls: the status all-reduce, ``B`` reduce-scatters, the norm/non-finite
+        all-reduce, ``B`` gathers (all-gathers, or all-to-alls with ``gather="touched"``: none on one rank)
+        and ``B`` parameter all-gathers. ``B`` grows with the bytes (``bucket_size``) and the number of dtypes,
+        not with the number of matrices (one bucket per dtype with ``bucket_size=None``).
+
+        Args:
+            has_grad: unused (the buckets travel whole); accepted as :meth:`LayerWiseMuon.step_comm`.
+
+        Returns:
+            ``{"calls": [(collective, dtype)], "received": {collective: bytes}}`` (an all-reduce's share
+            may be a :class:`fractions.Fraction`).
+        """
+        buckets = [b for b in self.layout.buckets if b.numel]
+        touched = self.gather == "touched"
+        gathers = [] if touched and self.world_size == 1 else [
+            ("all_to_all" if touched else "all_gather", self.gather_dtype)] * len(buckets)
+        calls = ([("all_reduce", torch.float64)] + [("reduce_scatter", b.dtype) for b in buckets]
+                 + [("all_reduce", torch.float64)] + gathers + [("all_gather", b.dtype) for b in buckets])
+        wire = received_bytes(self.layout, self.rank, self.gather_dtype, gather=self.gather)
+        received = {"all_reduce": all_reduce_received(8 * (1 + len(self._params)) + 16, self.world_size)}
+        if buckets:
+            received["reduce_scatter"] = wire["reduce_scatter"]
+            received["all_gather"] = wire["all_gather"] + (0 if touched else wire["gather"])
+            if gathers and touched:
+                received["all_to_all"] = wire["gather"]
+        return {"calls": calls, "received": received}
 
     def _shard(self, buffers: dict, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
@@ -414,10 +447,12 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
         Returns:
             ``{"format": SHARDED_FORMAT, "rank", "world_size", "params": [(shape, dtype name)] in param-group
             order, "pieces": [(index, param_start, param_end)] of this rank, "momentum": [(index, param_start,
-            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps"}``.
+            param_end, 1-D CPU tensor)] for the pieces with momentum, "param_groups", "skipped_steps",
+            "layout": :meth:`checkpoint_layout`}``.
         """
         plain = common.plain_state_dict(self)
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "layout": self.checkpoint_layout(),
                 "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "pieces": [(p.index, p.param_start, p.param_end) for p in self.pieces],
                 "momentum": self._local_checkpoint(), "param_groups": plain["param_groups"],
@@ -431,9 +466,9 @@ class DistributedMuon(common.ConsolidatingMuon, Muon):
                 the list of **every** rank's dicts of one save at any world size (resharding).
 
         Raises:
-            TypeError, ValueError: not dicts of this format; a file of another rank, world size or layout (the
-                message says to pass the list); files saved for other parameter shapes or dtypes (naming the
-                first); what :meth:`load_state_dict` raises. All before anything is loaded.
+            TypeError, ValueError: not dicts of this format; a file of another class, rank, world size or
+                layout (naming both layouts; the message says to pass the list); files of two saves; files
+                for other parameter shapes or dtypes; what :meth:`load_state_dict` raises. Before any load.
         """
         parts = common.shard_parts(shards, self, SHARDED_FORMAT, "pieces",
                             [(p.index, p.param_start, p.param_end) for p in self.pieces])

@@ -63,7 +63,7 @@ from ._muon_common import (
     replicated,
     shard_parts,
 )
-from .assignment import lpt_assign, ns_cost, rank_loads, round_robin_assign
+from .assignment import lpt_assign, ns_cost, owned_pack, owner_step_comm, rank_loads, round_robin_assign
 from .distributed_muon import DistributedMuon, zero1_comm_bytes
 
 __all__ = ["DistributedMuon", "LayerWiseMuon", "lpt_assign", "ns_cost", "rank_loads",
@@ -125,7 +125,7 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
 
         prepare_grads():
           all_reduce([failing rank code, has_grad...], MAX)    every rank raises together on bad input
-          g = all_reduce(flat local gradients, SUM) / d         the mean gradient (float32 for bfloat16)
+          g = all_reduce(flat local gradients, SUM) / d         per reduce dtype (float32 for bfloat16)
           inf/NaN in g: every rank raises, naming the parameter
         clip_grads():
           g <- c g  (c: the clip coefficient of ||g||)          replicated: no further communication
@@ -133,7 +133,14 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
           owner of W:  M, W32 <- Muon(W32, M, g_W)             optbook.optim.functional.muon on the owned masters
           W <- W32 rounded (bfloat16 only)
         publish_weights():
-          all_gather(owned matrices, padded to the largest rank) every rank gets every W
+          all_gather(owned matrices' bytes, every dtype)       one uint8 chunk per rank: every W
+
+    So a step issues at most **4** collective calls whatever the number of matrices and the mix of
+    bfloat16/float32/float64 (one status all-reduce, one or two gradient all-reduces, one all-gather;
+    3 with one reduce dtype), as Megatron-LM's layer-sharded Muon (NVIDIA/Megatron-LM issue #6676: 76/276
+    NCCL calls per step down to 4); :meth:`step_comm` gives the calls and the bytes each rank receives
+    (:func:`~optbook.distributed.assignment.owner_step_comm`), which
+    :class:`~optbook.distributed.wire.CommCounter` counts at the dispatcher.
 
     The owners' arithmetic is the single-process Muon's, on the same mean gradient: with an exact mean
     (float64, dyadic gradients) the result equals ``optbook.optim.Muon`` to rounding of the batched
@@ -180,6 +187,8 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
         self.owners = (lpt_assign(self.costs, world_size) if assignment == "lpt"
                        else round_robin_assign(len(self.costs), world_size))
         self.loads = rank_loads(self.costs, self.owners, world_size)
+        self._pack = owned_pack([p.numel() for p in all_params], [p.dtype for p in all_params], self.owners,
+                                world_size)
         self.comm_bytes = {"all_reduce": 0, "all_gather": 0, "control": 0}
         self.last_grad_norm: float | None = None
         self.found_inf, self.skipped_steps = False, 0
@@ -207,22 +216,27 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
         return {"momentum_buffer": (tuple(p.shape), dtype, False)}
 
     def predicted_comm_bytes(self, has_grad=None) -> dict:
-        """Bytes one :meth:`step` communicates: the all-reduce of every gradient (counted twice, module
-        docstring; a parameter without a gradient on every rank is left out), the all-gather of ``d`` times
-        the largest rank's owned elements per dtype, and the status all-reduce of ``1 + n_params`` float64
-        values.
+        """Bytes one :meth:`step` communicates (module docstring's convention): the all-reduce of every
+        gradient (counted twice; a parameter without a gradient on every rank is left out), the one
+        all-gather of ``d`` byte-packed chunks (:func:`~optbook.distributed.assignment.owned_pack`) and the
+        status all-reduce of ``1 + n_params`` float64 values: ``{"all_reduce", "all_gather", "control"}``.
 
         Args:
             has_grad: one bool per parameter (param-group order), whether some rank has its gradient
                 (``None``: all)."""
-        has_grad = [True] * len(self._params) if has_grad is None else list(has_grad)
-        reduce = sum(2 * nbytes(p.numel(), self._reduce_dtype(p.dtype)) for p, h in zip(self._params, has_grad) if h)
-        gather = 0
-        for dtype in dict.fromkeys(p.dtype for p in self._params):
-            per_rank = [sum(p.numel() for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype)
-                        for r in range(self.world_size)]
-            gather += self.world_size * nbytes(max(per_rank), dtype)
-        return {"all_reduce": reduce, "all_gather": gather, "control": 8 * (1 + len(self._params))}
+        return self.step_comm(has_grad)["buffers"]
+
+    def step_comm(self, has_grad=None) -> dict:
+        """One :meth:`step`'s collectives and the bytes this rank receives in them, as a formula
+        (:func:`~optbook.distributed.assignment.owner_step_comm` of this optimizer's parameters and owners):
+        ``{"calls": [(collective, dtype)] in order (at most 4), "received": {collective: bytes}, "buffers":
+        :meth:`predicted_comm_bytes`}``; :class:`optbook.distributed.wire.CommCounter` around the step counts
+        the same calls and bytes.
+
+        Args:
+            has_grad: as :meth:`predicted_comm_bytes`."""
+        return owner_step_comm([p.numel() for p in self._params], [p.dtype for p in self._params], self.owners,
+                               self.world_size, has_grad)
 
     @staticmethod
     def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -232,7 +246,7 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Phase 1 of :meth:`step` (a collective): validate on every rank and agree, average the gradients
-        (one all-reduce per dtype), check them for ``inf``/``NaN``. Writes nothing but this optimizer's
+        (one all-reduce per reduce dtype), check them for ``inf``/``NaN``. Writes nothing but this optimizer's
         buffer of mean gradients, which the next phases read (or :meth:`discard_grads` drops).
 
         Returns:
@@ -329,28 +343,22 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
 
     @torch.no_grad()
     def publish_weights(self) -> None:
-        """Phase 4 (a collective): every rank packs its owned matrices (per dtype) into a buffer padded to
-        the largest rank's size; one all-gather; every rank copies the others' matrices out."""
-        for dtype in dict.fromkeys(p.dtype for p in self._params):
-            per_rank = [[p for p, o in zip(self._params, self.owners) if o == r and p.dtype == dtype and p.numel()]
-                        for r in range(self.world_size)]
-            size = max(sum(p.numel() for p in ps) for ps in per_rank)
-            if size == 0:
-                continue
-            send = torch.zeros(size, dtype=dtype, device=self.device)
-            mine = per_rank[self.rank]
-            if mine:
-                send[:sum(p.numel() for p in mine)].copy_(torch.cat([p.detach().reshape(-1) for p in mine]))
-            recv = torch.empty(self.world_size * size, dtype=dtype, device=self.device)
+        """Phase 4 (a collective): every rank packs the bytes of its owned matrices, every dtype together, into
+        one ``uint8`` chunk (:func:`~optbook.distributed.assignment.owned_pack`); **one** all-gather; every
+        rank copies the others' matrices out of the received bytes (a copy of bits: bitwise)."""
+        chunk, plan = self._pack
+        if chunk:
+            send = torch.zeros(chunk, dtype=torch.uint8, device=self.device)
+            for i, offset in plan[self.rank]:
+                p = self._params[i]
+                send[offset:offset + p.numel() * p.element_size()].view(p.dtype).copy_(p.detach().reshape(-1))
+            recv = torch.empty(self.world_size * chunk, dtype=torch.uint8, device=self.device)
             _comm.all_gather(recv, send, group=self.process_group)
-            self.comm_bytes["all_gather"] += nbytes(recv.numel(), dtype)
-            for r, ps in enumerate(per_rank):
-                if r == self.rank:
-                    continue
-                offset = r * size
-                for p in ps:
-                    p.data.copy_(recv[offset:offset + p.numel()].view(p.shape))
-                    offset += p.numel()
+            self.comm_bytes["all_gather"] += recv.numel()
+            for r, items in enumerate(plan):
+                for i, offset in items if r != self.rank else ():
+                    p, start = self._params[i], r * chunk + offset
+                    p.data.copy_(recv[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape))
         self._versions.record(self._params)
 
     def take_up_outside_writes(self) -> None:
@@ -520,10 +528,11 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
             ``{"format": SHARDED_FORMAT, "rank", "world_size", "owners", "params": [(shape, dtype name)] in
             param-group order, "state": {index: {"momentum_buffer": CPU tensor}} for the matrices this rank
             owns, "master_params": {index: float32 CPU master} of the bfloat16 ones it owns, "param_groups":
-            as :meth:`state_dict`, "skipped_steps"}``.
+            as :meth:`state_dict`, "skipped_steps", "layout": :meth:`checkpoint_layout`}``.
         """
         state, masters = self._local_checkpoint()
         return {"format": SHARDED_FORMAT, "rank": self.rank, "world_size": self.world_size,
+                "layout": self.checkpoint_layout(),
                 "owners": list(self.owners), "params": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                 "state": state, "master_params": masters, "param_groups": plain_state_dict(self)["param_groups"],
                 "skipped_steps": self.skipped_steps}
@@ -552,13 +561,15 @@ class LayerWiseMuon(ConsolidatingMuon, Muon):
         """Load :meth:`sharded_state_dict` files. Not a collective.
 
         Args:
-            shards: **this rank's own** dict (saved by the same rank at the same world size and assignment),
-                or the list of **every** rank's dicts of one save at any world size (resharding).
+            shards: **this rank's own** dict (saved by the same rank with the same layout,
+                :meth:`checkpoint_layout`), or the list of **every** rank's dicts of one save at any world
+                size and assignment (resharding).
 
         Raises:
-            TypeError, ValueError: not dicts of this format; a file of another rank, world size or
-                assignment (the message says to pass the list); files saved for other parameter shapes or
-                dtypes (naming the first); what :meth:`load_state_dict` raises. All before anything is loaded.
+            TypeError, ValueError: not dicts of this format; a file of another class, rank, world size or
+                assignment (the message names both layouts and says to pass the list); files of two saves;
+                files saved for other parameter shapes or dtypes (naming the first); a file holding matrices
+                its rank does not own; what :meth:`load_state_dict` raises. All before anything is loaded.
         """
         self.load_state_dict(self._plain_from_shards(shards))
 
