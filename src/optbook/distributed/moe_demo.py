@@ -130,7 +130,8 @@ def per_matrix_step(params, buffers, owners, *, lr: float, momentum: float, nest
     (:func:`optbook.optim.muon.orthogonalized_blocks`, the arithmetic of single-process Muon), its rows
     scattered back (``torch.distributed.scatter``) and ``W_r <- W_r (1 - lr wd) - lr U_r`` on every rank:
     two collective calls per matrix. Every element sees single-process Muon's operations, so the result is
-    bitwise :class:`optbook.optim.Muon`'s (for matrices of distinct shapes, :func:`matrix_shape`).
+    bitwise :class:`optbook.optim.Muon`'s (for matrices of distinct shapes, :func:`matrix_shape`). Call it
+    under ``torch.no_grad()`` (it writes the parameters in place), on every rank of the mesh.
 
     Args:
         params: 2-D ``DTensor`` parameters with ``.grad`` set, the same list on every rank.
@@ -147,7 +148,7 @@ def per_matrix_step(params, buffers, owners, *, lr: float, momentum: float, nest
         group = p.device_mesh.get_group()
         rank, d = dist.get_rank(group), dist.get_world_size(group)
         src = dist.get_global_rank(group, owner)
-        w, g = p._local_tensor, p.grad._local_tensor
+        w, g = p.to_local(), p.grad.to_local()   # the same storage: writes land in the DTensor
         (direction,) = momentum_directions([buf], [g], momentum, nesterov)
         m, n = p.shape
         pad = math.ceil(m / d)
@@ -214,7 +215,7 @@ def _per_matrix_steps(n: int, steps: int) -> dict:
     fully_shard(holder)
     params = list(holder.parameters())
     owners = lpt_assign([ns_cost(p.shape) for p in params], params[0].device_mesh.size())
-    buffers = [torch.zeros_like(p._local_tensor) for p in params]
+    buffers = [torch.zeros_like(p.to_local()) for p in params]
     hyper = {k: v for k, v in MUON_OPTIONS.items()}
     out = {"steps": [], "owners": owners}
     for step in range(steps):
