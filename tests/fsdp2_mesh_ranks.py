@@ -3,7 +3,8 @@ parameters of 1-D and 2-D device meshes (FSDP2, HSDP, TP under FSDP2, expert-par
 single-process optimizers on whole tensors.
 
 Every case builds the parameters twice: plain tensors (the reference) and the same values laid out as the
-parallel API lays them out (``fully_shard``, ``parallelize_module``, ``distribute_tensor``). Each step both get
+parallel API lays them out (``fully_shard``, ``parallelize_module``, ``distribute_tensor``). Each step both
+get
 the same gradients (drawn from a seeded generator, the sharded copy cut as its parameter is), so the two runs
 differ only in how the optimizer steps. Each rank compares its own elements (their global indices:
 :func:`optbook.distributed.mesh_exchange.local_element_indices`, itself checked against the layout the
@@ -86,8 +87,23 @@ def _experts(dtype, world_size):
     return reference, params
 
 
+def _submeshes(dtype, world_size):
+    """One 2-D root mesh ``("dp", "ep")``: dense matrices ``fully_shard``-ed on its ``dp`` sub-mesh
+    (replicated over ``ep``: each ``ep`` coordinate has its own ``dp`` group), the stack of 6 experts
+    ``Shard(0)`` on its ``ep`` sub-mesh (replicated over ``dp``)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(two_d(world_size), ("dp", "ep"))
+    reference, params = _fsdp(dtype, mesh["dp"])
+    torch.manual_seed(3)
+    stack = torch.randn(6, 5, 4, dtype=dtype)
+    params.append(nn.Parameter(distribute_tensor(stack.clone(), mesh["ep"], [Shard(0)], src_data_rank=None)))
+    reference.append(stack)
+    return reference, params
+
+
 def _groups(params, layout: str) -> list[dict]:
-    if layout == "experts":
+    if layout in ("experts", "submesh"):
         return [{"params": params[:1], "head_split": 2, "lr": 0.02}, {"params": params[1:-1], "lr": 0.01},
                 {"params": params[-1:], "matrix_view": "stacked", "lr": 0.03}]
     if layout == "tp":
@@ -98,14 +114,15 @@ def _groups(params, layout: str) -> list[dict]:
 def build(layout: str, dtype, world_size: int):
     """``(reference tensors, sharded DTensor parameters)`` of one layout: ``"1d"`` (fully_shard on a 1-D
     mesh), ``"hsdp"`` (fully_shard on a ``("replicate", "shard")`` mesh), ``"tp"`` (TP x FSDP on ``("dp",
-    "tp")``), ``"experts"`` (dense on ``dp``, experts on ``ep``)."""
+    "tp")``), ``"experts"`` (dense on a 1-D ``dp`` mesh, experts on a 1-D ``ep`` mesh), ``"submesh"``
+    (the same on the two sub-meshes of one ``("dp", "ep")`` mesh)."""
     if layout == "1d":
         return _fsdp(dtype, _mesh((world_size,), ("shard",)))
     if layout == "hsdp":
         return _fsdp(dtype, _mesh(two_d(world_size), ("replicate", "shard")))
     if layout == "tp":
         return _tp_fsdp(dtype, _mesh(two_d(world_size), ("dp", "tp")))
-    return _experts(dtype, world_size)
+    return _experts(dtype, world_size) if layout == "experts" else _submeshes(dtype, world_size)
 
 
 def _grad(shape, dtype, step: int, i: int) -> torch.Tensor:
@@ -178,15 +195,18 @@ def run_case(layout: str, dtype, world_size: int, kind: str = "muon", max_grad_n
                        for p, r in zip(params, reference))
     if max_grad_norm is not None:
         out["norm"] = (opt.last_grad_norm, ref_norm)
-        out["diff"] = max(float((p.detach().to_local().reshape(-1) - r.detach().reshape(-1)[local_element_indices(p)])
-                                .abs().amax()) for p, r in zip(params, reference) if p.to_local().numel())
+        out["diff"] = max(float((p.detach().to_local().reshape(-1)
+                                 - r.detach().reshape(-1)[local_element_indices(p)]).abs().amax())
+                          for p, r in zip(params, reference) if p.to_local().numel())
     if kind == "muon":
         out["owners"], out["units"], out["ns_calls"] = opt.owners, opt.units, opt.ns_calls
-        if layout == "experts":   # what the stack alone moves in a step
+        if layout in ("experts", "submesh"):   # what the stack alone moves in a step
             alone = [False] * (len(params) - 1) + [True]
             out["experts_bytes"] = opt.predicted_received_bytes(with_grad=alone)["all_to_all"]
             first = next(u for u, (i, _, _) in enumerate(opt.units) if i == len(params) - 1)
-            experts = (local_element_indices(params[-1].detach()) // 20).unique().tolist()   # 5 x 4 per expert
+            # the experts this rank holds (5 x 4 = 20 elements each)
+            experts = (local_element_indices(params[-1].detach()) // 20).unique().tolist()
+            out["experts_held"] = experts
             out["experts_here_owned_here"] = all(opt.owners[first + e] == torch.distributed.get_rank()
                                                  for e in experts)
     return out
@@ -196,9 +216,11 @@ def collectives_case(world_size: int, n_matrices: int) -> dict:
     """FSDP2Muon (with ``max_grad_norm``) on ``n_matrices`` HSDP matrices (shapes cycling through uneven and
     empty shards): the c10d calls of one step (after the first), the bytes :class:`CommCounter` counted on
     this rank and :meth:`FSDP2Muon.predicted_received_bytes`."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
     from optbook.distributed import FSDP2Muon
     from optbook.distributed.wire import CommCounter
-    from torch.distributed.fsdp import fully_shard
 
     shapes = [(7, 5), (3, 6), (1, 4), (6, 6)]
     model = _linears([shapes[k % 4] for k in range(n_matrices)], torch.float64, 4)
@@ -209,14 +231,13 @@ def collectives_case(world_size: int, n_matrices: int) -> dict:
     opt = FSDP2Muon(params, lr=0.02, ns_dtype=torch.float64, max_grad_norm=1.0, **MUON)
     for step in range(2):
         for i, p in enumerate(params):
-            from torch.distributed.tensor import distribute_tensor
-
-            p.grad = distribute_tensor(_grad(tuple(p.shape), p.dtype, step, i), mesh, p.placements, src_data_rank=None)
+            p.grad = distribute_tensor(_grad(tuple(p.shape), p.dtype, step, i), mesh, p.placements,
+                                       src_data_rank=None)
         counter = CommCounter()
         with counter:
             opt.step()
     return {"calls": len(counter.calls) + counter.other_calls, "names": [c[0] for c in counter.calls],
-            "received": {k: v for k, v in counter.received.items()}, "predicted": opt.predicted_received_bytes()}
+            "received": dict(counter.received), "predicted": opt.predicted_received_bytes()}
 
 
 def _dcp_model(mesh):
@@ -303,7 +324,7 @@ def suite(rank: int, world_size: int, *, ckpt_dir: str) -> dict:
     2 x 2 save and the 1-D load, and a 1-D save the 2-rank launch loads on a (1, 2) HSDP mesh."""
     torch.set_num_threads(1)
     out = {}
-    for layout in ("1d", "hsdp", "tp", "experts"):
+    for layout in ("1d", "hsdp", "tp", "experts", "submesh"):
         for dtype in (torch.float64, torch.float32):
             out[f"muon/{layout}/{str(dtype)[6:]}"] = _safe(run_case, layout, dtype, world_size)
     for layout in ("hsdp", "tp"):

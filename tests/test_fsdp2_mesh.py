@@ -12,13 +12,13 @@ predicted), the clip norm counting each replicated element once, DCP across mesh
 from __future__ import annotations
 
 import pytest
-from fsdp2_mesh_ranks import STEPS, suite
+from fsdp2_mesh_ranks import DENSE, STEPS, suite, two_d
 
 from optbook.distributed import launch
 from helpers import scaled_timeout
 
 WORLD_SIZES = (4, 2, 3, 1)   # 4 first: it writes the checkpoint the 2-rank launch loads
-MUON_CASES = [f"muon/{layout}/{dtype}" for layout in ("1d", "hsdp", "tp", "experts")
+MUON_CASES = [f"muon/{layout}/{dtype}" for layout in ("1d", "hsdp", "tp", "experts", "submesh")
               for dtype in ("float64", "float32")]
 
 
@@ -49,14 +49,32 @@ def test_fsdp2muon_mesh_is_bitwise_single_process_muon(reports, case):
 
 def test_fsdp2muon_mesh_tp_fsdp_weights_carry_fsdp2s_strided_shards(reports):
     for d, rank, row in _rows(reports, "muon/tp/float64", (4,)):
-        assert row["placements"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"   # colwise, then fully_shard
-        assert row["placements"][1] == "(Shard(dim=0), Shard(dim=1))"                # rowwise, then fully_shard
+        # colwise, then fully_shard; rowwise, then fully_shard
+        assert row["placements"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert row["placements"][1] == "(Shard(dim=0), Shard(dim=1))"
         assert row["layout"] and row["params"]
 
 
 def test_fsdp2muon_mesh_expert_local_weights_stay_on_their_rank(reports):
+    """On a 1-D ``ep`` mesh a rank holds whole experts and owns them: the stack moves no byte."""
     for d, rank, row in _rows(reports, "muon/experts/float64"):
         assert row["experts_here_owned_here"] and row["experts_bytes"] == 0, (d, rank)
+
+
+def test_fsdp2muon_mesh_experts_replicated_over_dp_return_only_to_the_replicas(reports):
+    """On the ``ep`` sub-mesh of a ``("dp", "ep")`` mesh each expert has a replica per ``dp`` rank: it is
+    owned by one of its holders (nothing is sent to the owner), and a rank receives only the updates of the
+    experts it holds but does not own (float64: 5 x 4 x 8 bytes each)."""
+    for d in WORLD_SIZES:
+        replicas = 0
+        for _, rank, row in _rows(reports, "muon/submesh/float64", (d,)):
+            first = next(u for u, (i, _, _) in enumerate(row["units"]) if i == len(DENSE))
+            not_owned = [e for e in row["experts_held"] if row["owners"][first + e] != rank]
+            for e in range(6):   # owned by a rank that holds it
+                assert e in reports[d][row["owners"][first + e]]["muon/submesh/float64"]["experts_held"]
+            assert row["experts_bytes"] == len(not_owned) * 20 * 8, (d, rank, not_owned)
+            replicas += len(not_owned)
+        assert replicas == 6 * (two_d(d)[0] - 1)   # every replica but the owner's receives the update
 
 
 @pytest.mark.parametrize("case", ["adamw/hsdp", "adamw/tp", "sgd/hsdp", "sgd/tp"])
@@ -68,7 +86,8 @@ def test_elementwise_optimizers_on_mesh_params_are_bitwise_single_process(report
 def test_fsdp2muon_mesh_clip_counts_each_replicated_element_once(reports):
     for d, rank, row in _rows(reports, "clip/hsdp"):
         norm, ref_norm = row["norm"]
-        assert norm == pytest.approx(ref_norm, rel=1e-12, abs=0), (d, rank)   # a replica counted twice: x sqrt 2
+        # a replica counted twice would make it sqrt(2) times larger
+        assert norm == pytest.approx(ref_norm, rel=1e-12, abs=0), (d, rank)
         assert row["diff"] < 1e-12 and row["layout"], (d, rank)
 
 
@@ -100,7 +119,22 @@ def test_fsdp2muon_mesh_dcp_saved_on_4_ranks_resumes_on_hsdp_at_2_ranks(reports)
             assert row["placements"] == ("(Replicate(), Shard(dim=0))" if d == 2 else "(Shard(dim=0),)")
 
 
+def test_mesh_owners_are_lpt_unless_a_rank_holds_the_matrix_whole():
+    """Without whole holders the owners are lpt_assign's; a matrix held whole goes to its least loaded
+    holder, the others fill around it by LPT."""
+    from optbook.distributed import lpt_assign
+    from optbook.distributed.mesh_exchange import local_first_lpt
+
+    costs = [7, 3, 9, 9, 1, 4, 4, 2]
+    for d in (1, 2, 3, 4):
+        assert local_first_lpt(costs, [[]] * len(costs), d) == lpt_assign(costs, d)
+    holders = [[], [], [], [], [], [], [], []]
+    holders[2] = [1, 3]   # the first 9 is held whole by ranks 1 and 3: it goes to rank 1 (both at 0)
+    assert local_first_lpt(costs, holders, 4) == [2, 2, 1, 0, 0, 3, 3, 3]   # lpt_assign: [2, 2, 0, 1, ...]
+
+
 def test_fsdp2muon_mesh_refuses_mixed_dtypes_and_partial_placements(reports):
     for d, rank, row in _rows(reports, "refusals", (2,)):
-        assert row["dtypes"].startswith("ValueError") and "float32" in row["dtypes"] and "parameter 1" in row["dtypes"]
-        assert row["partial"].startswith("TypeError") and "Partial" in row["partial"] and "parameter 1" in row["partial"]
+        dtypes, partial = row["dtypes"], row["partial"]
+        assert dtypes.startswith("ValueError") and "float32" in dtypes and "parameter 1" in dtypes
+        assert partial.startswith("TypeError") and "Partial" in partial and "parameter 1" in partial

@@ -12,7 +12,8 @@ global gradient norm with a ZeRO-1 AdamW; :mod:`~optbook.distributed.chain`) and
 :func:`tensor_parallel_newton_schulz` (Newton–Schulz on tensor-parallel shards). :class:`FSDP2Muon`: Muon on
 parameters sharded by PyTorch's FSDP2 (``fully_shard``) on 1-D and 2-D device meshes (HSDP, TP x FSDP,
 expert-parallel stacks), each matrix through an owner rank in one all-to-all each way
-(:mod:`~optbook.distributed.fsdp2`; the plan: :class:`MeshExchange` of :mod:`~optbook.distributed.mesh_exchange`).
+(:mod:`~optbook.distributed.fsdp2`; the plan: :class:`MeshExchange` of
+:mod:`~optbook.distributed.mesh_exchange`).
 Each wrapper's step is made of public phases named as Megatron-LM's (``prepare_grads``, ``clip_grads``,
 ``step_with_ready_grads``, ``publish_weights``), which :class:`DistributedChain` composes; what they agree on
 across ranks goes through one module, ``optbook.distributed._comm``.
@@ -30,6 +31,7 @@ from .layerwise_muon import LayerWiseMuon, lpt_assign, ns_cost, rank_loads, roun
 from .tp_newton_schulz import TP_MODES, tensor_parallel_newton_schulz
 from .zero1 import DistributedOptimizer, shard_layout
 
-__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "FSDP2Muon", "LayerWiseMuon",
-           "MeshExchange", "init_from_env", "launch", "local_element_indices", "lpt_assign", "ns_cost", "rank_loads",
-           "round_robin_assign", "shard_layout", "tensor_parallel_newton_schulz", "zero1_comm_bytes"]
+__all__ = ["TP_MODES", "DistributedChain", "DistributedMuon", "DistributedOptimizer", "FSDP2Muon",
+           "LayerWiseMuon", "MeshExchange", "init_from_env", "launch", "local_element_indices", "lpt_assign",
+           "ns_cost", "rank_loads", "round_robin_assign", "shard_layout", "tensor_parallel_newton_schulz",
+           "zero1_comm_bytes"]

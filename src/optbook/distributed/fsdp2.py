@@ -101,7 +101,8 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     ``train()``/``eval()`` (no-ops: Muon has no modes), hooks, ``zero_grad(set_to_none=...)``, pickling and
     ``repr``; ``add_param_group`` after construction raises ``NotImplementedError`` (the owners are fixed).
     Checkpoints are :class:`optbook.optim.Muon`'s layout over the sharded state (``torch.distributed.checkpoint``
-    reads and writes them).
+    reads and writes them, and reshards them to another mesh shape or world size: the momentum is a
+    ``DTensor`` placed as its parameter).
 
     Raises:
         TypeError: a parameter that is not a ``DTensor``, or one with a ``Partial`` placement (named); what
@@ -113,7 +114,7 @@ class FSDP2Muon(common.MuonWrapper, Muon):
             any rank (every rank raises, naming the parameter; nothing written).
     """
 
-    #: steps sharded parameters (whole matrices are gathered), unlike :class:`optbook.optim.Muon`
+    #: steps sharded parameters (whole matrices are brought to owners), unlike :class:`optbook.optim.Muon`
     gathers_whole_matrices = True
 
     def __init__(self, params, *, max_grad_norm=None, **muon_defaults):
@@ -172,11 +173,11 @@ class FSDP2Muon(common.MuonWrapper, Muon):
     def __getstate__(self) -> dict:
         """The base's (hooks dropped), without the process group: the mesh's (a device mesh pickles; a
         process group does not) or the default group again when unpickled."""
-        group, self.process_group, self._exchange.group = self.process_group, None, None
+        group, self.process_group = self.process_group, None
         try:
-            return super().__getstate__()
+            return super().__getstate__()   # (the exchange pickles without its group: MeshExchange.__getstate__)
         finally:
-            self.process_group = self._exchange.group = group
+            self.process_group = group
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -268,7 +269,7 @@ class FSDP2Muon(common.MuonWrapper, Muon):
 
         Every rank first checks its hyperparameters and gradients, then one small all-reduce over the mesh
         (12 bytes) agrees on the outcome, on ``inf``/``NaN`` and on which parameters have a gradient, so that
-        every rank raises together (no rank is left waiting in a gather) and nothing is written on any rank
+        every rank raises together (no rank is left waiting in an all-to-all) and nothing is written on any rank
         when one fails.
 
         Raises:

@@ -8,7 +8,8 @@ data-parallel dimension over a row-sharded TP weight) or expert parallelism (who
 at construction, as the global row-major (flat) index of each local element: the ``DTensor`` layout of an
 index tensor, ``distribute_tensor(arange(numel).view(shape), mesh, placements, src_data_rank=None)``, which
 cuts the index tensor on every rank as the parameter is cut, without communication (``_StridedShard``
-included: checked against FSDP2's own layout in ``tests/test_fsdp2_mesh.py``). The ranks exchange these
+included: checked against the layout FSDP2 of torch 2.13.0 produces over column-parallel weights, uneven
+shards included, in ``tests/test_fsdp2_mesh.py``). The ranks exchange these
 index maps once (``all_gather_object``); from them every rank derives the same plan:
 
 * the *units* (the matrices Newton–Schulz sees: one per 2-D parameter, ``prod(E)`` per stacked parameter,
@@ -61,13 +62,13 @@ def local_element_indices(p) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     if any(pl.is_partial() for pl in p.placements):
-        raise TypeError(f"a Partial placement ({tuple(p.placements)}) is a pending reduction, not a parameter's "
-                        "layout")
+        raise TypeError(f"a Partial placement ({tuple(p.placements)}) is a pending reduction, not a "
+                        "parameter's layout")
     index = torch.arange(p.numel(), dtype=torch.int64).view(tuple(p.shape))
     local = distribute_tensor(index, p.device_mesh, p.placements, src_data_rank=None).to_local()
     if tuple(local.shape) != tuple(p.to_local().shape):
-        raise ValueError(f"placements {tuple(p.placements)}: the index tensor's local shape {tuple(local.shape)} "
-                         f"is not the parameter's {tuple(p.to_local().shape)}")
+        raise ValueError(f"placements {tuple(p.placements)}: the index tensor's local shape "
+                         f"{tuple(local.shape)} is not the parameter's {tuple(p.to_local().shape)}")
     return local.reshape(-1)
 
 
@@ -133,7 +134,8 @@ class MeshExchange:
         dist.all_gather_object(every, (described, mine), group=group)
         for r, (d, _) in enumerate(every):
             if d != described:
-                i = next((i for i, (a, b) in enumerate(zip(d, described)) if a != b), min(len(d), len(described)))
+                i = next((i for i, (a, b) in enumerate(zip(d, described)) if a != b),
+                         min(len(d), len(described)))
                 raise ValueError(f"Invalid params: the ranks of the process group pass different parameters: "
                                  f"parameter {i} is {d[i] if i < len(d) else 'missing'} on rank {r} and "
                                  f"{described[i] if i < len(described) else 'missing'} on rank {self.rank} "
@@ -151,9 +153,10 @@ class MeshExchange:
                 held.index_add_(0, index, torch.ones_like(index))
             if p.numel() and int(held.min()) == 0:
                 raise ValueError(f"Invalid params: parameter {i} (shape {tuple(p.shape)}): element "
-                                 f"{int((held == 0).nonzero()[0])} (row-major) is held by no rank of the process "
-                                 "group; its device mesh must lie inside the group")
-            whole = [torch.bincount(index // size, minlength=count) if count else index for index in self.maps[i]]
+                                 f"{int((held == 0).nonzero()[0])} (row-major) is held by no rank of the "
+                                 "process group; its device mesh must lie inside the group")
+            whole = [torch.bincount(index // size, minlength=count) if count else index
+                     for index in self.maps[i]]
             self.first_unit.append(len(self.units))
             self.unit_numel.append(size)
             for k in range(count):
@@ -164,11 +167,17 @@ class MeshExchange:
         self.senders = [self._senders(i) for i in range(len(params))]
         self._plans: dict = {}
 
-    # --- the plan ---------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """Without the process group (it does not pickle; the owner sets :attr:`group` again) and the
+        cached plans (made again on use)."""
+        return {**self.__dict__, "group": None, "_plans": {}}
+
+    # --- the plan -------------------------------------------------------------------------------------------
     def _unit_owner(self, i: int, index: torch.Tensor) -> torch.Tensor:
         """The owner of the unit of each global index ``index`` of parameter ``i``."""
         first, size = self.first_unit[i], self.unit_numel[i]
-        owners = torch.tensor(self.owners[first:first + self.numels[i] // size] if size else [], dtype=torch.int64)
+        owners = torch.tensor(self.owners[first:first + self.numels[i] // size] if size else [],
+                              dtype=torch.int64)
         return owners[index // size] if size else index.new_zeros(index.shape)
 
     def _senders(self, i: int) -> torch.Tensor:
@@ -246,7 +255,17 @@ class MeshExchange:
                     + sum(plan["back_recv_splits"]) - plan["back_recv_splits"][me])
         return elements * element_size
 
-    # --- a step -------------------------------------------------------------------------------------------------
+    # --- a step ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _index(plan: dict, key: str, device: torch.device) -> torch.Tensor:
+        """``plan[key]`` (an index list made on the CPU) on ``device``, copied there once."""
+        if device.type == "cpu":
+            return plan[key]
+        cached = plan.setdefault("_on", {})
+        if (key, device) not in cached:
+            cached[key, device] = plan[key].to(device)
+        return cached[key, device]
+
     def _all_to_all(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
         if self.world_size == 1:
             return send
@@ -259,21 +278,24 @@ class MeshExchange:
 
         Args:
             local_tensors: per parameter, this rank's local tensor (its elements in the parameter's local
-                shape; any memory format), or ``None`` where ``present`` is ``False``. One dtype.
+                shape; any memory format), or ``None`` where ``present`` is ``False``. One dtype, one
+                device (the index lists are copied to it once); at least one present.
             present: which parameters take part (the same on every rank).
         """
         plan = self.plan(present)
         flats = [t.reshape(-1) for t, here in zip(local_tensors, present) if here]
-        flat = torch.cat(flats) if flats else torch.zeros(0)
-        recv = self._all_to_all(flat[plan["fwd_send"]], plan["fwd_send_splits"], plan["fwd_recv_splits"])
+        flat = torch.cat(flats)
+        send = flat[self._index(plan, "fwd_send", flat.device)]
+        recv = self._all_to_all(send, plan["fwd_send_splits"], plan["fwd_recv_splits"])
         owned = recv.new_empty(plan["owned_numel"])
-        owned[plan["fwd_recv"]] = recv
+        owned[self._index(plan, "fwd_recv", owned.device)] = recv
         return {u: owned[plan["owned_off"][u]:plan["owned_off"][u] + self.unit_numel[self.units[u][0]]]
                 .view(self.units[u][2]) for u in plan["owned"]}
 
     def from_owners(self, updates: dict, present: tuple, like: torch.Tensor) -> list:
-        """One all-to-all: per parameter, this rank's elements of the owners' updates (a tensor of the local
-        shape, ``like``'s dtype), ``None`` where ``present`` is ``False``.
+        """One all-to-all: per parameter, this rank's elements of the owners' updates (1-D, in the local
+        tensor's row-major order: ``.view(local shape)``; ``like``'s dtype and device), ``None`` where
+        ``present`` is ``False``.
 
         Args:
             updates: ``{unit: (M, N) update}`` for every unit this rank owns (any strides).
@@ -283,8 +305,9 @@ class MeshExchange:
         for u in plan["owned"]:
             off = plan["owned_off"][u]
             owned[off:off + self.unit_numel[self.units[u][0]]].view(self.units[u][2]).copy_(updates[u])
-        recv = self._all_to_all(owned[plan["back_send"]], plan["back_send_splits"], plan["back_recv_splits"])
+        send = owned[self._index(plan, "back_send", owned.device)]
+        recv = self._all_to_all(send, plan["back_send_splits"], plan["back_recv_splits"])
         flat = like.new_empty(plan["local_numel"])
-        flat[plan["back_recv"]] = recv
+        flat[self._index(plan, "back_recv", flat.device)] = recv
         return [flat[plan["local_off"][i]:plan["local_off"][i] + n] if here else None
                 for i, (n, here) in enumerate(zip(self.local_numels, present))]
