@@ -979,9 +979,7 @@ def layout_suite(rank: int, world_size: int) -> dict:
         foreign = "moonlight" if kind == "layerwise" else "layerwise"
         fps = _layout_params(foreign)
         fopt = _layout_build(foreign, 0, fps, None)
-        rep["other_class"] = attempt(0, fopt.sharded_state_dict() if kind != "chain" else
-                                     {"muon": fopt.sharded_state_dict(), "adamw": {}, "rank": rank,
-                                      "layout": fopt.sharded_state_dict().get("layout")})
+        rep["other_class"] = attempt(0, fopt.sharded_state_dict())
         for case, variant, shards in (("own", 0, files[rank]), ("resharded", 1, files)):
             ps, loader = fresh(variant)
             loader.load_sharded_state_dict(shards)

@@ -20,7 +20,7 @@ from .._checks import LOW_PRECISION, check_int
 from ..optim.optimizer import all_finite, nonfinite_checked_by_caller
 
 __all__ = ["LOW_PRECISION", "agree", "all_gather", "check_int", "check_same_params", "consolidated_here",
-           "check_layout", "check_one_save", "describe_layout", "first_nonfinite", "global_rank", "layout_fingerprint", "group_info", "group_position", "param_name", "params_difference",
+           "first_nonfinite", "global_rank", "group_info", "group_position", "param_name", "params_difference",
            "raise_nonfinite_across", "reduce_scatter", "validate_locally", "validate_on_every_rank"]
 
 # torch 2.13 renamed the two tensor collectives; older versions (the CUDA builds >= 2.9) have the old names.
@@ -192,6 +192,8 @@ def consolidated_here(who: str, consolidated: tuple, rank: int) -> dict:
 
 
 # --- checkpoint layout fingerprints ----------------------------------------------------------------------------
+__all__ += ["check_layout", "check_one_save", "describe_layout", "layout_fingerprint"]
+
 _LAYOUT_KEYS = ("class", "world_size", "mesh", "params", "owners", "buckets", "pieces", "parts")
 
 
@@ -289,14 +291,14 @@ def check_one_save(files: list, who: str) -> dict:
     layouts = [sd.get("layout") for sd in files]
     if all(fp is None for fp in layouts):
         return None
-    first = next(k for k, fp in enumerate(layouts) if isinstance(fp, dict))
+    first = next((k for k, fp in enumerate(layouts) if isinstance(fp, dict)), 0)
     for k, fp in enumerate(layouts):
         if not isinstance(fp, dict) or fp.get("digest") != layouts[first].get("digest"):
-            raise ValueError(f"Invalid shards: files {first} and {k} are not of one save: file {first}'s layout: "
-                             f"{describe_layout(layouts[first])}; file {k}'s layout: {describe_layout(fp)}")
+            raise ValueError(f"Invalid shards: files {first} and {k} are not of one save: file {first}'s "
+                             f"layout: {describe_layout(layouts[first])}; file {k}'s layout: {describe_layout(fp)}")
     size = layouts[first]["world_size"]
-    ranks = sorted(sd.get("rank") for sd in files)
-    if ranks != list(range(size)):
+    ranks = sorted(r for r in (sd.get("rank") for sd in files) if isinstance(r, int))
+    if len(ranks) != len(files) or ranks != list(range(size)):
         raise ValueError(f"Invalid shards: expected the files of ranks 0 .. W - 1 of one save at world size W, "
                          f"got ranks {ranks} saved at world sizes [{size}] ({who})")
     return layouts[first]

@@ -379,23 +379,23 @@ def shard_parts(shards, opt, fmt: str, layout_key: str, layout) -> list[dict]:
     if not parts or any(not isinstance(sd, dict) or sd.get("format") != fmt for sd in parts):
         raise TypeError(f"Invalid shards: expected this rank's dict from {who}.sharded_state_dict() (format "
                         f"{fmt!r}) or a list of every rank's")
-    saved = parts[0].get("layout") if own else check_one_save(parts, who)
-    if saved is not None:
-        check_layout(saved, mine, who, own_file=own, where="the file" if own else "the files")
-        if own and shards["rank"] != opt.rank:
-            raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of {saved['world_size']}, "
-                             f"this is rank {opt.rank}; to reshard, pass the list of every rank's file of that save; "
-                             f"the file's layout: {describe_layout(saved)}")
-        for sd in parts:
-            _agrees_with_layout(sd, saved, layout_key)
-        return parts
-    mine_params = mine["params"]
     for k, sd in enumerate(parts):
-        difference = params_difference([mine_params, [(tuple(shape), dtype) for shape, dtype in sd["params"]]])
+        theirs = [(tuple(shape), dtype) for shape, dtype in sd["params"]]
+        difference = params_difference([mine["params"], theirs])
         if difference is not None:
             where = difference.replace("on ranks [0]", "in this optimizer").replace("on ranks [1]", "in the file")
             raise ValueError(f"Invalid shards: file {k} was saved for other parameters (a checkpoint of another "
                              f"model?): {where}")
+    saved = parts[0].get("layout") if own else check_one_save(parts, who)
+    if saved is not None:
+        check_layout(saved, mine, who, own_file=own, where="the file" if own else "the files")
+        if own and shards["rank"] != opt.rank:
+            raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
+                             f"{saved['world_size']}, this is rank {opt.rank}; to reshard, pass the list of every "
+                             f"rank's file of that save; the file's layout: {describe_layout(saved)}")
+        for sd in parts:
+            _agrees_with_layout(sd, saved, layout_key)
+        return parts
     if own:
         if (shards["world_size"], shards["rank"], shards[layout_key]) != (opt.world_size, opt.rank, layout):
             raise ValueError(f"Invalid shards: this file was saved by rank {shards['rank']} of "
@@ -416,8 +416,9 @@ def _agrees_with_layout(sd: dict, saved: dict, layout_key: str) -> None:
         ValueError: naming the file's rank, the entry and the layout."""
     rank = sd["rank"]
     if layout_key == "owners":
-        bad = sorted(i for i in [*sd["state"], *sd.get("master_params", {})]
-                     if not (isinstance(i, int) and 0 <= i < len(saved["owners"]) and saved["owners"][i] == rank))
+        owners = saved["owners"]
+        bad = sorted((i for i in [*sd["state"], *sd.get("master_params", {})]
+                      if not (isinstance(i, int) and 0 <= i < len(owners) and owners[i] == rank)), key=repr)
         ok = list(sd["owners"]) == list(saved["owners"]) and sd["world_size"] == saved["world_size"]
         what = f"state for parameters {bad} that rank {rank} does not own"
     else:

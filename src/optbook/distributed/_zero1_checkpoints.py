@@ -4,7 +4,8 @@ Explained in chapter 13.
 Consolidated (:meth:`~optbook.distributed.DistributedOptimizer.consolidate_state_dict`, then ``state_dict()``
 on one rank): loadable at any world size and into a single-process optimizer. Sharded
 (:meth:`~optbook.distributed.DistributedOptimizer.sharded_state_dict`, one file per rank, no communication):
-each rank's pieces of m, v and the masters, with the piece boundaries as layout metadata;
+each rank's pieces of m, v and the masters, with the piece boundaries as layout metadata and the layout
+fingerprint every sharded checkpoint of :mod:`optbook.distributed` records (``"layout"``);
 :meth:`~optbook.distributed.DistributedOptimizer.load_sharded_state_dict` takes the rank's own file (same world
 size) or the list of all files of a save at any world size (each rank keeps the elements its pieces cover).
 Every load validates the whole dict before it writes anything.
@@ -409,9 +410,35 @@ class Zero1Checkpoints:
                 ``W``; parameters of other shapes or dtypes (naming the first); what
                 :meth:`load_state_dict` raises. All before anything is loaded.
         """
+        consolidated, whole, meta = self._from_shards(shards)
+        if whole:
+            self.load_state_dict(consolidated)
+            return
+        for entry in consolidated["state"].values():  # other ranks' parts are absent: only this rank's, below
+            entry.pop(MASTER_KEY, None)
+        consolidated["state"] = {k: v for k, v in consolidated["state"].items() if v}
+        self.load_state_dict(consolidated)
+        with torch.no_grad():  # the pieces equal the saved ones (checked above)
+            for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
+                if master is not None:
+                    target.copy_(master)
+
+    def check_sharded_state_dict(self, shards) -> None:
+        """The checks of :meth:`load_sharded_state_dict` on the files themselves (format, parameters, ranks,
+        layout fingerprint), writing nothing; the state itself is checked by the load, before it writes (a
+        chain checks each member's files before it loads any).
+
+        Raises:
+            TypeError, ValueError: as :meth:`load_sharded_state_dict`.
+        """
+        self._from_shards(shards)
+
+    def _from_shards(self, shards) -> tuple[dict, bool, dict]:
+        """``(the consolidated dict to load, whether every rank's file was given, the first file)`` after every
+        check on the files; writes nothing."""
         mine = self.checkpoint_layout()
-        for k, sd in enumerate([shards] if isinstance(shards, dict) else shards if isinstance(shards, (list, tuple))
-                               else []):   # another class's file that records its layout: name both
+        files = [shards] if isinstance(shards, dict) else shards if isinstance(shards, (list, tuple)) else []
+        for k, sd in enumerate(files):   # another class's file that records its layout: name both layouts
             if isinstance(sd, dict) and sd.get("format") != SHARDED_FORMAT and isinstance(sd.get("layout"), dict):
                 check_layout(sd["layout"], mine, "DistributedOptimizer", own_file=False, where=f"file {k}")
         if isinstance(shards, dict):
@@ -459,17 +486,7 @@ class Zero1Checkpoints:
                             f"every rank's, got {type(shards).__name__}")
         consolidated.update(param_groups=meta["param_groups"], loss_scaler=meta.get("loss_scaler"),
                             skipped_steps=meta.get("skipped_steps", self.skipped_steps))
-        if whole:
-            self.load_state_dict(consolidated)
-            return
-        for entry in consolidated["state"].values():  # other ranks' parts are absent: only this rank's, below
-            entry.pop(MASTER_KEY, None)
-        consolidated["state"] = {k: v for k, v in consolidated["state"].items() if v}
-        self.load_state_dict(consolidated)
-        with torch.no_grad():  # the pieces equal the saved ones (checked above)
-            for target, (_, _, _, _, master) in zip(self._piece_params, meta["pieces"]):
-                if master is not None:
-                    target.copy_(master)
+        return consolidated, whole, meta
 
     @staticmethod
     def _agrees_with_layout(sd: dict, layout: dict) -> None:

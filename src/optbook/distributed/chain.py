@@ -285,22 +285,32 @@ class DistributedChain(OptimizerWrapper):
         parts are checked (without loading), then the ``DistributedOptimizer`` loads its parts (it checks
         them all first), then the Muon member loads.
 
+        The chain's layout fingerprint (:meth:`checkpoint_layout`) is judged first: a file of another class,
+        files of two saves, or this rank's own file of another layout are refused naming both layouts; files
+        of other parameters are left to the members, which name the parameter.
+
         Raises:
-            TypeError, ValueError: not this format; what either member's sharded load raises (another rank,
-                world size or model); nothing loaded.
+            TypeError, ValueError: not this format; another class, two saves, another layout (own file); what
+                either member's sharded load raises (another rank, world size or model); nothing loaded.
         """
         parts = [shards] if isinstance(shards, dict) else list(shards) if isinstance(shards, (list, tuple)) else []
+        mine, own = self.checkpoint_layout(), isinstance(shards, dict)
+        for sd in parts:
+            fp = sd.get("layout") if isinstance(sd, dict) else None
+            if isinstance(fp, dict) and fp.get("class") != "DistributedChain":
+                check_layout(fp, mine, "DistributedChain", own_file=False)
         if not parts or any(not isinstance(sd, dict) or not {"muon", "adamw"} <= set(sd) for sd in parts):
             raise TypeError("Invalid shards: expected this rank's dict from DistributedChain.sharded_state_dict() "
                             "or a list of every rank's")
         layouts = [sd.get("layout") for sd in parts]
-        if any(fp is not None for fp in layouts):   # judged by the chain's fingerprint, then each member's
-            saved = layouts[0] if isinstance(shards, dict) else check_one_save(parts, "DistributedChain")
-            check_layout(saved, self.checkpoint_layout(), "DistributedChain", own_file=isinstance(shards, dict),
-                         where="the file" if isinstance(shards, dict) else "the files")
-        pick = (lambda key: parts[0][key]) if isinstance(shards, dict) else (lambda key: [sd[key] for sd in parts])
+        saved = (None if all(fp is None for fp in layouts) else layouts[0] if own
+                 else check_one_save(parts, "DistributedChain"))
+        if isinstance(saved, dict) and [(tuple(s), d) for s, d in saved.get("params", [])] == mine["params"]:
+            check_layout(saved, mine, "DistributedChain", own_file=own, where="the file" if own else "the files")
+        pick = (lambda key: parts[0][key]) if own else (lambda key: [sd[key] for sd in parts])
         skipped = check_int("shards['skipped_steps']", parts[0].get("skipped_steps", self.skipped_steps), 0)
         self.muon.check_sharded_state_dict(pick("muon"))
+        self.adamw.check_sharded_state_dict(pick("adamw"))
         self.adamw.load_sharded_state_dict(pick("adamw"))
         self.muon.load_sharded_state_dict(pick("muon"))
         self.skipped_steps = skipped
