@@ -28,7 +28,10 @@ collectives per step whatever the number of matrices. Bytes received per rank: t
 that other ranks send, plus the elements it holds of units other ranks own (:meth:`MeshExchange.received`).
 
 Primary source: microsoft/dion, ``dion/muon.py`` at commit 0c20549 (FSDP2 Muon: whole matrices to owners by
-all-to-all, in batches of ``d`` matrices; here every matrix in one all-to-all, with uneven splits).
+all-to-all, in batches of ``d`` matrices padded to equal pieces, each rank orthogonalising one per batch; it
+takes a 1-D mesh, the shard sub-mesh for HSDP, refuses parameters sharded in both matrix dimensions, and
+steps a stack sharded only along its batch dimension locally). Here every matrix goes in one all-to-all with
+uneven pieces, on any mesh whose placements the index maps describe.
 The index maps take ``O(numel)`` int64 memory per rank and parameter for every rank (a teaching
 implementation: a production one would describe shards by their boxes).
 """
