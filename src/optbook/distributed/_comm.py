@@ -197,7 +197,8 @@ __all__ += ["check_layout", "check_one_save", "describe_layout", "layout_fingerp
 _LAYOUT_KEYS = ("class", "world_size", "mesh", "params", "owners", "buckets", "pieces", "parts")
 
 
-def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None) -> dict:
+def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None,
+                       mesh: tuple | None = None) -> dict:
     """The layout of ``opt``'s sharded checkpoint files, which every ``sharded_state_dict`` records under
     ``"layout"`` (LayerWiseMuon, DistributedMuon, ZeRO-1's DistributedOptimizer, DistributedChain) and every
     ``load_sharded_state_dict`` compares (:func:`check_layout`).
@@ -207,16 +208,18 @@ def layout_fingerprint(opt, parts: dict | None = None, name: str | None = None) 
             owners) or ``layout`` (a ZeRO-1 :class:`~optbook.distributed.zero1.Layout`) when it has them.
         parts: ``{name: fingerprint}`` of the members of a composite (DistributedChain), else ``None``.
         name: the class name to record (default ``type(opt).__name__``).
+        mesh: the device mesh's shape (default ``(world_size,)``: a 1-D process group).
 
     Returns:
-        ``{"class": str, "world_size": int, "mesh": (world_size,) (the process group's shape: 1-D here),
+        ``{"class": str, "world_size": int, "mesh": the mesh shape (``(world_size,)`` for a process group),
         "params": [(shape, dtype name)] in param-group order, "owners": [rank per parameter] or None,
         "buckets": [(dtype name, start, numel, shard numel)] or None, "pieces": [[(index, param_start,
         param_end)] of each rank] or None, "parts": dict or None, "digest": 16 hex digits (SHA-256 of the
         rest)}``: plain Python values (``torch.save``/``torch.load(weights_only=True)`` round-trip them).
     """
     layout = getattr(opt, "layout", None)
-    fp = {"class": name or type(opt).__name__, "world_size": int(opt.world_size), "mesh": (int(opt.world_size),),
+    fp = {"class": name or type(opt).__name__, "world_size": int(opt.world_size),
+          "mesh": tuple(mesh or (int(opt.world_size),)),
           "params": [(tuple(p.shape), str(p.dtype)) for p in opt._params],
           "owners": list(opt.owners) if getattr(opt, "owners", None) is not None else None,
           "buckets": None if layout is None else [(str(b.dtype), b.start, b.numel, b.shard_numel)
