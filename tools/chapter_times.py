@@ -26,13 +26,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from recording import cpu_model  # noqa: E402  (the CPU's model name, as every benchmark record names it)
 RECORD = ROOT / "book" / "runtimes.json"
 HEADER_RE = re.compile(r"(?m)^\*Run time: [^\n]*\*\n\n?")
 BUDGET = 120  # seconds: every chapter within two minutes on a 2-core CPU without a GPU
@@ -70,23 +71,11 @@ def measure(paths: list[Path]) -> dict:
         client.execute()
         seconds = time.perf_counter() - start
         record[path.stem] = {"seconds": round(seconds, 1), "cores": os.cpu_count(), "gpu": gpu,
-                             "cpu": cpu_name(),
+                             "cpu": cpu_model(),
                              "torch": torch.__version__.split("+")[0], "date": datetime.date.today().isoformat()}
         print(f"{path.name}: {seconds:.1f} s", flush=True)
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, e.g. ``AMD EPYC 7B13``), else what :mod:`platform`
-    knows (often only ``x86_64``): run times differ several-fold between CPUs, so the record names it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 PREFACE = ROOT / "book" / "00_preface.ipynb"
