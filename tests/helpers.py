@@ -102,3 +102,12 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class ParamsModel(torch.nn.Module):
+    """A module holding the given parameters (for ``torch.distributed.checkpoint.state_dict``, which reads an
+    optimizer's state through a model's named parameters)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(params)

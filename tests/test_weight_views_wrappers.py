@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 
 import pytest
 import torch
 from weight_views_ranks import FSDP2_CASES, HP, VIEWS, grads_of, suite, view_options, weights_of
 
-from helpers import scaled_timeout
+from helpers import ParamsModel, scaled_timeout
 from optbook.distributed import launch, lpt_assign
 from optbook.offload import OffloadOptimizer
 from optbook.optim import AdamW, ChainedOptimizer, Muon
@@ -165,26 +164,6 @@ def test_a_saved_state_dict_resumes_views_bitwise(wrapper, view, dtype):
         assert torch.equal(p.detach(), r), (wrapper, view)
 
 
-@pytest.fixture(scope="module")
-def dcp():
-    """``torch.distributed.checkpoint.state_dict`` with a one-rank gloo group in this process."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import state_dict
-
-    started = not dist.is_initialized()
-    if started:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29800 + os.getpid() % 90))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield state_dict
-    if started:
-        dist.destroy_process_group()
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, params):
-        super().__init__()
-        self.weights = torch.nn.ParameterList(params)
 
 
 @pytest.mark.parametrize("view", VIEWS)
@@ -205,7 +184,7 @@ def test_dcp_get_and_set_optimizer_state_dict_resume_views_bitwise(dcp, wrapper,
 
     def build(ps):
         opt = MixedPrecisionOptimizer(_muon(ps, view, dtype)) if low else _wrapped(wrapper, ps, view, dtype)
-        return opt, _Model([p for g in opt.param_groups for p in g["params"]])   # the chain's AdamW bias too
+        return opt, ParamsModel([p for g in opt.param_groups for p in g["params"]])   # the chain's AdamW bias too
 
     outs = []
     for resume in (False, True):

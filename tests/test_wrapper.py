@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from optbook.optim import (SGD, SOAP, Adafactor, Adam, AdamW, ChainedOptimizer, 
                            Shampoo)
 from optbook.optim.schedule_free import ScheduleFreeAdamW
 from optbook.precision import ConstantLossScaler, MixedPrecisionOptimizer
+from helpers import ParamsModel
 
 
 def _mats(dtype=torch.float64, seed=0):
@@ -198,25 +198,6 @@ def test_a_non_finite_copy_of_the_weights_is_refused_at_load(kind):
 
 
 # --- DCP -------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def dcp():
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import state_dict
-
-    started = not dist.is_initialized()
-    if started:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29900 + os.getpid() % 90))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield state_dict
-    if started:
-        dist.destroy_process_group()
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, params):
-        super().__init__()
-        self.weights = torch.nn.ParameterList(params)
 
 
 PLAIN = {"SGD": lambda ps: SGD(ps, lr=0.1, momentum=0.9), "Adam": lambda ps: Adam(ps, lr=0.01),
@@ -240,7 +221,7 @@ def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wr
     for read in (False, True):
         params = _mats(dtype)
         opt = WRAPS[wrap](PLAIN[name](params), params)
-        model = _Model(params)
+        model = ParamsModel(params)
         if read:
             dcp.get_optimizer_state_dict(model, opt, options=options)
             assert all(p.grad is None for p in params)
@@ -250,7 +231,7 @@ def test_a_dcp_read_before_the_first_step_does_not_change_training(dcp, name, wr
         saved = dcp.get_optimizer_state_dict(model, opt, options=options)
         twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
         twin = WRAPS[wrap](PLAIN[name](twin_params), twin_params)
-        dcp.set_optimizer_state_dict(_Model(twin_params), twin, copy.deepcopy(saved), options=options)
+        dcp.set_optimizer_state_dict(ParamsModel(twin_params), twin, copy.deepcopy(saved), options=options)
         for o, ps in ((opt, params), (twin, twin_params)):
             _grads(ps, 7)
             o.step()
