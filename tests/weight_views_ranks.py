@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import torch
 from torch import nn
 
+from fsdp2_mesh_ranks import _mesh, _safe   # (one copy: the mesh and the error-as-text wrapper)
 from optbook.optim import Muon
 
 #: The weights the views meet: a conv kernel (also channels_last), stacks of matrices (also cut into heads).
@@ -81,12 +81,6 @@ def muon_reference(params, views, dtype) -> Muon:
 
 
 # ---------------------------------------------------------------- FSDP2 layouts
-
-def _mesh(shape, names):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
-
 
 def two_d(world_size: int) -> tuple[int, int]:
     """``(2, d/2)`` for an even ``d``, else ``(1, d)``."""
@@ -522,13 +516,6 @@ def refusals_case(world_size: int) -> dict:
     conv = nn.Conv2d(4, 8, 3, bias=False).to(memory_format=torch.channels_last)
     out["fully_shard_channels_last"] = _message(lambda: fully_shard(conv, mesh=mesh))
     return out
-
-
-def _safe(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except Exception:  # noqa: BLE001 -- reported to the test as text, so one case cannot fail the others
-        return {"error": traceback.format_exc()}
 
 
 def suite(rank: int, world_size: int, *, ckpt_dir: str) -> dict:
