@@ -250,14 +250,27 @@ def _dcp_model(mesh):
     return model
 
 
+def dcp_checkpoint(model, opt, ckpt_dir: str, phase: str) -> None:
+    """``phase="save"``: a DCP checkpoint of ``model`` and ``opt`` (their sharded state dicts) in
+    ``ckpt_dir``; ``"load"``: read it into them, resharded to their current placements."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if phase == "save":
+        dcp.save(state, checkpoint_id=ckpt_dir)
+        return
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
 def dcp_case(world_size: int, ckpt_dir: str, phase: str, mesh_shape, split: int = 2, steps: int = 4) -> dict:
     """``phase="save"``: ``split`` steps of FSDP2Muon on a model ``fully_shard``-ed on a mesh of
     ``mesh_shape`` (2-D: HSDP), then a DCP checkpoint of the model and optimizer. ``phase="load"``: a fresh
     model on ``mesh_shape``, loaded, ``steps - split`` more steps. Returns ``"equal"``: parameters and
     momentum bitwise the uninterrupted single-process Muon's after the last step."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
 
     from optbook.distributed import FSDP2Muon
 
@@ -273,17 +286,13 @@ def dcp_case(world_size: int, ckpt_dir: str, phase: str, mesh_shape, split: int 
             r.grad = _grad(tuple(r.shape), r.dtype, step, i)
         ref_opt.step()
     if phase == "load":
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
+        dcp_checkpoint(model, opt, ckpt_dir, "load")
     for step in range(first, last):
         _set_grads(reference, params, step)
         ref_opt.step()
         opt.step()
     if phase == "save":
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=ckpt_dir)
+        dcp_checkpoint(model, opt, ckpt_dir, "save")
     equal = all(_mine(p.detach(), r.detach()) for p, r in zip(params, reference))
     momentum = all(_mine(opt.state[p]["momentum_buffer"], ref_opt.state[r]["momentum_buffer"])
                    for p, r in zip(params, reference))

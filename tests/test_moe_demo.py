@@ -12,7 +12,7 @@ import torch
 
 from helpers import scaled_timeout
 from optbook.distributed import launch
-from optbook.distributed.moe_demo import ConvMoENet, chapter14c, dyadic, matrix_shape, mesh_model
+from optbook.distributed.moe_demo import ConvMoENet, chapter14c, dyadic, demo_shape, mesh_model
 from optbook.optim import muon_param_groups
 
 
@@ -34,7 +34,7 @@ def test_dyadic_means_over_one_two_and_four_equal_copies_are_exact_and_shapes_ar
         for _ in range(d):
             total += g
         assert torch.equal(total / d, g)
-    shapes = [tuple(sorted(matrix_shape(i))) for i in range(16)]
+    shapes = [tuple(sorted(demo_shape(i))) for i in range(16)]
     assert len(set(shapes)) == 16   # no two equal up to a transpose: no batched Newton-Schulz
     assert [tuple(p.shape) for p in (mesh_model().up.weight, mesh_model().experts)] == [(10, 12), (8, 6, 5)]
 

@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from fsdp2_mesh_ranks import _mesh, _safe   # (one copy: the mesh and the error-as-text wrapper)
+from fsdp2_mesh_ranks import _mesh, _safe, dcp_checkpoint   # (one copy: the mesh, errors as text, DCP)
 from optbook.optim import Muon
 
 #: The weights the views meet: a conv kernel (also channels_last), stacks of matrices (also cut into heads).
@@ -245,9 +245,6 @@ def dcp_case(world_size: int, ckpt_dir: str, phase: str, mesh_shape, split: int 
     """Convs and stacks ``fully_shard``-ed on a mesh of ``mesh_shape`` (2-D: HSDP). ``"save"``: ``split``
     steps, then a DCP checkpoint of model and optimizer; ``"load"``: a fresh model loads it and takes the
     remaining steps. ``"equal"``/``"momentum"``: bitwise the uninterrupted single-process Muon's."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
 
     from optbook.distributed import FSDP2Muon
@@ -268,17 +265,13 @@ def dcp_case(world_size: int, ckpt_dir: str, phase: str, mesh_shape, split: int 
             r.grad = grads_of(v, r.shape, dtype, step, i)
         ref_opt.step()
     if phase == "load":
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
+        dcp_checkpoint(model, opt, ckpt_dir, "load")
     for step in range(first, last):
         _set_grads(reference, params, views, step)
         ref_opt.step()
         opt.step()
     if phase == "save":
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=ckpt_dir)
+        dcp_checkpoint(model, opt, ckpt_dir, "save")
     return {"equal": all(_mine(p.detach(), r.detach()) for p, r in zip(params, reference)),
             "momentum": all(_mine(opt.state[p]["momentum_buffer"], ref_opt.state[r]["momentum_buffer"])
                             for p, r in zip(params, reference))}

@@ -32,7 +32,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ConvMoENet", "Experts", "MESH_LAYOUTS", "chapter14c", "dyadic", "matrix_list", "matrix_shape",
+__all__ = ["ConvMoENet", "Experts", "MESH_LAYOUTS", "chapter14c", "dyadic", "matrix_list", "demo_shape",
            "mesh_model", "per_matrix_step", "shard_on_mesh"]
 
 #: The 2-D layouts of :func:`shard_on_mesh` (4 ranks).
@@ -89,7 +89,7 @@ def dyadic(shape, seed: int) -> torch.Tensor:
     return torch.randint(-1024, 1024, tuple(shape), generator=g, dtype=torch.int64).double() / 1024
 
 
-def matrix_shape(i: int) -> tuple[int, int]:
+def demo_shape(i: int) -> tuple[int, int]:
     """The shape of matrix ``i`` of :func:`matrix_list`: ``(8 + i, 6 + i % 3)``. No two are equal (or
     transposes): single-process Muon orthogonalises matrices of one shape in one batched call, whose last
     bits can differ from one call per matrix, so equal shapes would make an owner's unbatched result
@@ -99,12 +99,12 @@ def matrix_shape(i: int) -> tuple[int, int]:
 
 
 def matrix_list(n: int) -> list[torch.Tensor]:
-    """``n`` float64 matrices of the shapes :func:`matrix_shape`, entries from :func:`dyadic`."""
-    return [dyadic(matrix_shape(i), 100 + i) for i in range(n)]
+    """``n`` float64 matrices of the shapes :func:`demo_shape`, entries from :func:`dyadic`."""
+    return [dyadic(demo_shape(i), 100 + i) for i in range(n)]
 
 
 def _grads(n: int, step: int) -> list[torch.Tensor]:
-    return [dyadic(matrix_shape(i), 1000 * step + i) for i in range(n)]
+    return [dyadic(demo_shape(i), 1000 * step + i) for i in range(n)]
 
 
 def _reference(n: int, steps: int) -> list[torch.Tensor]:
@@ -130,7 +130,7 @@ def per_matrix_step(params, buffers, owners, *, lr: float, momentum: float, nest
     (:func:`optbook.optim.muon.orthogonalized_blocks`, the arithmetic of single-process Muon), its rows
     scattered back (``torch.distributed.scatter``) and ``W_r <- W_r (1 - lr wd) - lr U_r`` on every rank:
     two collective calls per matrix. Every element sees single-process Muon's operations, so the result is
-    bitwise :class:`optbook.optim.Muon`'s (for matrices of distinct shapes, :func:`matrix_shape`). Call it
+    bitwise :class:`optbook.optim.Muon`'s (for matrices of distinct shapes, :func:`demo_shape`). Call it
     under ``torch.no_grad()`` (it writes the parameters in place), on every rank of the mesh.
 
     Args:
@@ -178,17 +178,24 @@ def _count(counter) -> dict:
             "sizes": [got for _, _, got in counter.calls], "bytes": dict(counter.received)}
 
 
-def _fsdp2_steps(n: int, steps: int) -> dict:
+def _sharded_matrices(n: int) -> list:
+    """The :func:`matrix_list` matrices as parameters ``fully_shard``-ed on the default 1-D mesh (each a
+    ``Shard(0)`` DTensor)."""
     from torch.distributed.fsdp import fully_shard
+
+    holder = nn.Module()
+    holder.w = nn.ParameterList([nn.Parameter(w) for w in matrix_list(n)])
+    fully_shard(holder)
+    return list(holder.parameters())
+
+
+def _fsdp2_steps(n: int, steps: int) -> dict:
     from torch.distributed.tensor import distribute_tensor
 
     from optbook.distributed import FSDP2Muon
     from optbook.distributed.wire import CommCounter
 
-    holder = nn.Module()
-    holder.w = nn.ParameterList([nn.Parameter(w) for w in matrix_list(n)])
-    fully_shard(holder)                       # every matrix a Shard(0) DTensor
-    params = list(holder.parameters())
+    params = _sharded_matrices(n)
     opt = FSDP2Muon(params, **MUON_OPTIONS)
     out = {"steps": [], "owners": list(opt.owners),
            "rows": [p.to_local().shape[0] for p in params]}
@@ -204,25 +211,20 @@ def _fsdp2_steps(n: int, steps: int) -> dict:
 
 
 def _per_matrix_steps(n: int, steps: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     from optbook.distributed import lpt_assign, ns_cost
     from optbook.distributed.wire import CommCounter
 
-    holder = nn.Module()
-    holder.w = nn.ParameterList([nn.Parameter(w) for w in matrix_list(n)])
-    fully_shard(holder)
-    params = list(holder.parameters())
+    params = _sharded_matrices(n)
     owners = lpt_assign([ns_cost(p.shape) for p in params], params[0].device_mesh.size())
     buffers = [torch.zeros_like(p.to_local()) for p in params]
-    hyper = {k: v for k, v in MUON_OPTIONS.items()}
     out = {"steps": [], "owners": owners}
     for step in range(steps):
         for p, g in zip(params, _grads(n, step)):
             p.grad = distribute_tensor(g, p.device_mesh, p.placements)
         with torch.no_grad(), CommCounter() as counter:
-            per_matrix_step(params, buffers, owners, **hyper)
+            per_matrix_step(params, buffers, owners, **MUON_OPTIONS)
         out["steps"].append(_count(counter))
     whole = [p.full_tensor() for p in params]
     out["equal"] = all(torch.equal(a, b) for a, b in zip(whole, _reference(n, steps)))
