@@ -9,7 +9,7 @@ before anything is written. One launch of 2 gloo processes (``tests/muon_rank_pr
 
 import pytest
 import torch
-from muon_rank_programs import LAYOUT_KINDS, layout_suite
+from checkpoint_layout_ranks import LAYOUT_KINDS, layout_suite
 
 from optbook.distributed import launch
 from helpers import scaled_timeout

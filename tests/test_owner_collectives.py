@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from muon_rank_programs import COLLECTIVE_GROUPS, collectives_problem, collectives_reference, collectives_suite
+from owner_collectives_ranks import COLLECTIVE_GROUPS, collectives_problem, collectives_reference, collectives_suite
 
 from optbook.distributed import launch, lpt_assign, ns_cost, rank_loads
 from optbook.distributed.assignment import owned_pack, owner_step_comm, pingpong_assign
